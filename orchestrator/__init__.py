@@ -1,0 +1,1 @@
+"""The orchestrator: the public API. Drives draft and target, applies rejection sampling."""

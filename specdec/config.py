@@ -1,0 +1,311 @@
+"""Deployment configuration: one YAML file, validated at start-up.
+
+Every value can be overridden by an environment variable
+(``SPECDEC_<SECTION>_<KEY>``, e.g. ``SPECDEC_TARGET_DEVICE=cuda``) or by a
+command-line ``--set section.key=value``; flags win over the environment, the
+environment over the file, the file over the defaults below. Errors name the
+offending key. Not for: parsing command lines (see ``specdec.cli``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; names the key."""
+
+
+@dataclass
+class TlsConfig:
+    """TLS for one hop. Empty paths mean plaintext."""
+
+    # PEM files. For a server: its certificate and key; client_ca makes it
+    # demand client certificates (mutual TLS). For a client: ca verifies the
+    # server, cert/key are presented for mutual TLS.
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.ca)
+
+
+@dataclass
+class ModelServiceConfig:
+    """A draft or target service: one model, one KV cache per session."""
+
+    # Local directory (or a hub id where the network allows) of a Hugging Face causal LM.
+    model: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 0
+    # Prometheus /metrics port; 0 turns the endpoint off.
+    metrics_port: int = 0
+    max_sessions: int = 256
+    # Seconds a session may stay unused before it is freed.
+    session_ttl_s: float = 600.0
+    # Most tokens one session may hold (prompt + generated + drafted).
+    max_context: int = 2048
+    # Never run code shipped with a model unless explicitly allowed.
+    trust_remote_code: bool = False
+    # Seconds in-flight work may take to finish after SIGTERM.
+    grace_period_s: float = 10.0
+    # Threads torch may use on the CPU; 0 keeps torch's default.
+    torch_threads: int = 0
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+
+@dataclass
+class OrchestratorConfig:
+    """The public API: drives draft and target and applies rejection sampling."""
+
+    host: str = "127.0.0.1"
+    port: int = 50050
+    metrics_port: int = 9100
+    draft_address: str = "127.0.0.1:50051"
+    target_address: str = "127.0.0.1:50052"
+    # Default tokens drafted per step, and the largest a request may ask for.
+    gamma: int = 4
+    max_gamma: int = 16
+    # Entries of each q put on the wire; 0 sends dense distributions.
+    wire_top_k: int = 32
+    # Limits a request must respect.
+    max_new_tokens: int = 1024
+    max_prompt_tokens: int = 1536
+    max_stop_sequences: int = 8
+    # Admission control: requests generating at once, and waiting beyond them.
+    max_concurrent_requests: int = 32
+    max_queued_requests: int = 64
+    # Deadlines for one call to each service.
+    draft_timeout_s: float = 2.0
+    target_timeout_s: float = 30.0
+    # After a draft failure, plain decoding for this long before trying again
+    # (doubling on each further failure up to the maximum).
+    draft_retry_after_s: float = 1.0
+    draft_retry_max_s: float = 30.0
+    grace_period_s: float = 10.0
+    # Trim both caches with explicit Rollback RPCs after every step instead of
+    # letting the rollback ride in the next Propose/Verify (one more round trip).
+    explicit_rollback: bool = False
+    # Tokenizer for text prompts; empty uses the target's model directory.
+    tokenizer: str = ""
+    # Seconds to wait at start-up for draft and target to answer Info.
+    connect_timeout_s: float = 120.0
+    # Largest gRPC message accepted, in bytes.
+    max_message_bytes: int = 16 * 1024 * 1024
+    # Client side TLS towards draft and target; server side TLS for the API.
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    upstream_tls: TlsConfig = field(default_factory=TlsConfig)
+    # Bearer tokens accepted on the API; empty list means no authentication.
+    auth_tokens: list = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    draft: ModelServiceConfig = field(
+        default_factory=lambda: ModelServiceConfig(port=50051, metrics_port=9101)
+    )
+    target: ModelServiceConfig = field(
+        default_factory=lambda: ModelServiceConfig(port=50052, metrics_port=9102)
+    )
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+
+
+_POSITIVE = {
+    "max_sessions",
+    "max_context",
+    "max_gamma",
+    "max_new_tokens",
+    "max_prompt_tokens",
+    "max_concurrent_requests",
+    "session_ttl_s",
+    "draft_timeout_s",
+    "target_timeout_s",
+    "max_message_bytes",
+}
+_NON_NEGATIVE = {
+    "port",
+    "metrics_port",
+    "gamma",
+    "wire_top_k",
+    "max_queued_requests",
+    "max_stop_sequences",
+    "grace_period_s",
+    "torch_threads",
+    "draft_retry_after_s",
+    "draft_retry_max_s",
+}
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Cast a YAML or string value to a field's type, or raise ConfigError naming key."""
+    if typ in (int, "int"):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if typ in (float, "float"):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if typ in (bool, "bool"):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ in (str, "str"):
+        if not isinstance(value, str | int | float):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    if typ in (list, "list"):
+        if isinstance(value, str):
+            return [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [str(v) for v in value]
+    raise ConfigError(f"{key}: unsupported type {typ!r}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
+    obj = cls()
+    for name, value in data.items():
+        f = fields[name]
+        key = f"{prefix}{name}"
+        default = getattr(obj, name)
+        if dataclasses.is_dataclass(default):
+            base = dataclasses.asdict(default)
+            base.update(value or {})
+            setattr(obj, name, _build(type(default), base, key + "."))
+        else:
+            setattr(obj, name, _coerce(key, value, f.type))
+    return obj
+
+
+def _validate(cfg: Config) -> None:
+    for section in ("draft", "target", "orchestrator"):
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            key = f"{section}.{f.name}"
+            if f.name in _POSITIVE and v <= 0:
+                raise ConfigError(f"{key}: must be > 0, got {v}")
+            if f.name in _NON_NEGATIVE and v < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {v}")
+            if f.name.endswith("port") and v > 65535:
+                raise ConfigError(f"{key}: must be a port number 0..65535, got {v}")
+    for section in ("draft", "target"):
+        sub: ModelServiceConfig = getattr(cfg, section)
+        if sub.device.split(":")[0] not in DEVICES:
+            raise ConfigError(f"{section}.device: must be one of {DEVICES}, got {sub.device!r}")
+        if sub.dtype not in DTYPES:
+            raise ConfigError(f"{section}.dtype: must be one of {DTYPES}, got {sub.dtype!r}")
+        if not sub.model:
+            raise ConfigError(f"{section}.model: required (a local model directory)")
+    orch = cfg.orchestrator
+    if orch.gamma > orch.max_gamma:
+        raise ConfigError(
+            f"orchestrator.gamma: must be <= orchestrator.max_gamma ({orch.max_gamma}), "
+            f"got {orch.gamma}"
+        )
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    out = []
+    for section in ("draft", "target", "orchestrator"):
+        prefix = f"SPECDEC_{section.upper()}_"
+        for name, value in env.items():
+            if name.startswith(prefix):
+                key = name[len(prefix) :].lower()
+                # TLS keys: SPECDEC_DRAFT_TLS__CERT -> draft.tls.cert
+                out.append((f"{section}.{key.replace('__', '.')}", value))
+    return out
+
+
+def _apply(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: cannot set inside a non-mapping")
+    node[parts[-1]] = value
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Load and validate a deployment config.
+
+    ``path`` defaults to ``configs/default.yaml``; ``overrides`` are
+    ``section.key=value`` strings. Relative model paths are resolved against
+    the config file's folder's parent when they do not exist as given.
+    """
+    path = Path(path) if path else DEFAULT_CONFIG_PATH
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: invalid YAML: {e}") from None
+    return config_from_dict(raw, overrides, env, base_dir=path.resolve().parent.parent)
+
+
+def config_from_dict(
+    raw: Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    base_dir: Path | None = None,
+) -> Config:
+    """Build a validated Config from a mapping, then env and ``key=value`` overrides."""
+    raw = _deep_copy(raw)
+    for dotted, value in _env_overrides(os.environ if env is None else env):
+        _apply(raw, dotted, value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        dotted, value = item.split("=", 1)
+        _apply(raw, dotted.strip(), yaml.safe_load(value) if value else "")
+    cfg = _build(Config, raw, "")
+    for section in ("draft", "target"):
+        sub = getattr(cfg, section)
+        if sub.model and base_dir and not Path(sub.model).is_absolute():
+            candidate = base_dir / sub.model
+            if not Path(sub.model).exists() and candidate.exists():
+                sub.model = str(candidate)
+    _validate(cfg)
+    return cfg
+
+
+def _deep_copy(raw: Any) -> Any:
+    if isinstance(raw, Mapping):
+        return {k: _deep_copy(v) for k, v in raw.items()}
+    return raw

@@ -1,0 +1,279 @@
+"""gRPC server plumbing shared by the three services.
+
+A server gets: the standard health service (``grpc.health.v1``), reflection,
+one interceptor that maps domain exceptions to status codes and times every
+RPC into the metrics, optional (mutual) TLS, and graceful shutdown on SIGTERM
+(NOT_SERVING first, then in-flight work finishes within the grace period).
+Not for: business logic; servicers call one domain method per RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from specdec import metrics
+from specdec.config import TlsConfig
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+
+
+def _code_name(code: grpc.StatusCode) -> str:
+    return code.name
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps SpecdecError to its status, anything else to INTERNAL; times every RPC.
+
+    ``service`` labels the metrics ("draft", "target", "orchestrator").
+    """
+
+    def __init__(self, service: str, auth_tokens: Iterable[str] = ()) -> None:
+        self.service = service
+        self._tokens = {f"Bearer {t}" for t in auth_tokens}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler_call_details.method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        if self._tokens:
+            md = dict(handler_call_details.invocation_metadata or ())
+            if md.get("authorization") not in self._tokens:
+                return _abort_handler(
+                    handler,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "authorization: missing or invalid bearer token",
+                )
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _observe(self, method: str, start: float, code: grpc.StatusCode) -> None:
+        metrics.RPC_DURATION.labels(self.service, method).observe(time.perf_counter() - start)
+        metrics.RPC_HANDLED.labels(self.service, method, _code_name(code)).inc()
+
+    def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
+        async def wrapper(request, context):
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await behavior(request, context)
+            except SpecdecError as e:
+                code = e.code
+                await context.abort(e.code, str(e))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as e:
+                code = context.code() or grpc.StatusCode.INTERNAL
+                if isinstance(code, int) or code == grpc.StatusCode.OK:
+                    code = grpc.StatusCode.INTERNAL
+                if _is_abort(e):
+                    raise
+                log.exception("%s/%s failed", self.service, method)
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+                )
+            finally:
+                self._observe(method, start, code)
+
+        return wrapper
+
+    def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
+        async def wrapper(request, context):
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except SpecdecError as e:
+                code = e.code
+                await context.abort(e.code, str(e))
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as e:
+                if _is_abort(e):
+                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s/%s failed", self.service, method)
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+                )
+            finally:
+                self._observe(method, start, code)
+
+        return wrapper
+
+
+def _is_abort(e: BaseException) -> bool:
+    # context.abort raises an internal exception type; let it through untouched.
+    return type(e).__name__ in ("AbortError", "_AbortError", "InternalError") or isinstance(
+        e, grpc.RpcError
+    )
+
+
+def _abort_handler(handler, code: grpc.StatusCode, message: str):
+    async def deny_unary(request, context):
+        await context.abort(code, message)
+
+    async def deny_stream(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            deny_stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        deny_unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
+    """TLS for a server; with ``tls.ca`` set, clients must present certificates."""
+    if not tls.cert:
+        return None
+    key = Path(tls.key).read_bytes()
+    cert = Path(tls.cert).read_bytes()
+    ca = Path(tls.ca).read_bytes() if tls.ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
+    """TLS for a client; cert/key are presented for mutual TLS."""
+    if not tls.enabled:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls.ca).read_bytes() if tls.ca else None,
+        private_key=Path(tls.key).read_bytes() if tls.key else None,
+        certificate_chain=Path(tls.cert).read_bytes() if tls.cert else None,
+    )
+
+
+def open_channel(address: str, tls: TlsConfig, max_message_bytes: int) -> grpc.aio.Channel:
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+    ]
+    creds = channel_credentials(tls)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new RPCs, finish in-flight ones."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    host: str,
+    port: int,
+    service: str,
+    tls: TlsConfig | None = None,
+    max_message_bytes: int = 16 * 1024 * 1024,
+    auth_tokens: Iterable[str] = (),
+) -> RunningServer:
+    """Start a grpc.aio server on host:port (0 picks a free port); returns it with its port.
+
+    ``register`` adds the servicers. Health is SERVING once this returns,
+    so call it after the model is loaded.
+    """
+    names = tuple(service_names)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(service, auth_tokens)],
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    register(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    creds = server_credentials(tls) if tls else None
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    running = RunningServer(server, bound, health, names)
+    await running.set_serving(True)
+    return running
+
+
+async def serve_until_signal(
+    running: RunningServer, grace_s: float, on_stop: Callable[[], object] | None = None
+) -> None:
+    """Block until SIGTERM/SIGINT, then drain within grace_s."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining for up to %.1fs", grace_s)
+    await running.drain(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the specdec.v1 wire contract (do not edit)."""

@@ -1,0 +1,1 @@
+"""The target service: the large model that verifies a whole draft in one forward pass."""
