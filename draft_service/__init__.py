@@ -1,1 +1,1 @@
-"""The draft service: a small model that proposes gamma tokens per step, streaming each with its q."""
+"""The draft service: a small model proposing gamma tokens per step, each with its q."""

@@ -241,6 +241,10 @@ def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
     for section in ("draft", "target", "orchestrator"):
         prefix = f"SPECDEC_{section.upper()}_"
         for name, value in env.items():
+            # Kubernetes service links (SPECDEC_DRAFT_PORT=tcp://..., *_SERVICE_HOST)
+            # share the prefix when a Service is named specdec-draft: not ours.
+            if "://" in value or "_SERVICE_" in name or "_PORT_" in name:
+                continue
             if name.startswith(prefix):
                 key = name[len(prefix) :].lower()
                 # TLS keys: SPECDEC_DRAFT_TLS__CERT -> draft.tls.cert
