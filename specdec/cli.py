@@ -135,7 +135,10 @@ def _wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -
 
 
 def start_local(
-    config_path: str | None, overrides: list[str], quiet: bool = False
+    config_path: str | None,
+    overrides: list[str],
+    quiet: bool = False,
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     """Start the three services as child processes; returns them once all are healthy."""
     cfg = load_config(config_path, overrides)
@@ -150,7 +153,7 @@ def start_local(
         for role in ("draft", "target", "orchestrator"):
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "specdec", "serve", role, *args], stdout=out
+                    [sys.executable, "-m", "specdec", "serve", role, *args], stdout=out, env=env
                 )
             )
             if role == "target":

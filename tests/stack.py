@@ -131,19 +131,23 @@ def write_config(tmp: Path, draft: Path, target: Path, **overrides) -> tuple[Pat
 
 @contextlib.contextmanager
 def local_stack(
-    tmp_path: Path, draft: Path | None = None, target: Path | None = None, **overrides
+    tmp_path: Path,
+    draft: Path | None = None,
+    target: Path | None = None,
+    env: dict[str, str] | None = None,
+    **overrides,
 ) -> Iterator[Stack]:
     """Start a stack on tiny Llama models (or the given model dirs).
 
     Overrides are ``section__key=value`` keyword arguments,
-    e.g. ``orchestrator__gamma=3``.
+    e.g. ``orchestrator__gamma=3``; ``env`` replaces the services' environment.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
     if draft is None or target is None:
         draft, target = build_pair(tmp_path / "models")
     path, cfg = write_config(tmp_path, draft, target, **overrides)
     stack = Stack(path, cfg)
-    stack.procs = start_local(str(path), [], quiet=True)
+    stack.procs = start_local(str(path), [], quiet=True, env=env)
     try:
         yield stack
     finally:

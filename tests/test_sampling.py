@@ -16,6 +16,8 @@ from specdec.sampling import (
     verify_draft,
 )
 
+from .stats import tv, tv_threshold
+
 
 def emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """P(first emitted token = x) for one drafted token: accept mass + rejection mass * residual."""
@@ -159,20 +161,6 @@ def _simulate(p_rows, q_rows, n_samples, seed, broken=False):
     finally:
         sampling.residual_distribution = orig
     return torch.tensor(first)
-
-
-def tv_threshold(p: torch.Tensor, n: int, quantile: float = 0.999, reps: int = 400) -> float:
-    """The `quantile` of the TV distance between p and an n-sample empirical drawn from p."""
-    g = torch.Generator().manual_seed(123)
-    draws = torch.multinomial(p.float().expand(reps, -1), n, replacement=True, generator=g)
-    counts = torch.zeros(reps, p.shape[0]).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float))
-    tv = 0.5 * (counts / n - p.float()).abs().sum(-1)
-    return float(tv.quantile(quantile))
-
-
-def tv(samples: torch.Tensor, p: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=p.shape[0]).double()
-    return 0.5 * float((counts / counts.sum() - p.double()).abs().sum())
 
 
 def test_one_step_matches_p_and_broken_sampler_is_caught():

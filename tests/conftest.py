@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny model pairs built from configs, and real local stacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from .stack import local_stack
+from .tiny import build_pair
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def gpt2_pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("gpt2"), "gpt2", eos=True)
+
+
+@pytest.fixture(scope="session")
+def llama_stack(tmp_path_factory, llama_pair):
+    draft, target = llama_pair
+    with local_stack(tmp_path_factory.mktemp("llama-stack"), draft, target) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def gpt2_stack(tmp_path_factory, gpt2_pair):
+    draft, target = gpt2_pair
+    with local_stack(tmp_path_factory.mktemp("gpt2-stack"), draft, target) as stack:
+        yield stack

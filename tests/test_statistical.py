@@ -1,0 +1,124 @@
+"""Sampled output through the real gRPC services has the target's distribution.
+
+For a fixed prompt, requests of 3 new tokens with gamma = 2 (each its own
+seed) are run through draft, target and orchestrator. We compare:
+* the tokens at positions 1 and 2 with the target's exact distributions
+  p(x1) and sum_x1 p(x1) p(x2 | x1) under the same warping;
+* the accepted count n of the first step with the theory
+  P(n >= 1) = alpha_1, P(n = 2) = sum_x min(p1, q1)(x) alpha_2(x).
+Distance: total variation; threshold: tests/stats.py (99.9th percentile
+under correct sampling at the same sample size). The same test run against a
+target whose residual is replaced by p (the classic bug) must fail.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.model import load_model
+from specdec.sampling import (
+    SamplingParams,
+    acceptance_rate,
+    draft_distribution,
+    probs_from_logits,
+    sparse_to_dense,
+)
+
+from .stack import local_stack
+from .stats import tv, tv_threshold
+
+N = 1500
+PROMPT = [3, 7, 1, 4, 0, 12]  # token ids; fixed
+WIRE_TOP_K = 32  # the config default
+BROKEN_SITE = """
+import specdec.sampling as s
+s.residual_distribution = lambda p, q: p  # BROKEN: resample from p on rejection
+"""
+
+
+def exact(pair, params: SamplingParams):
+    """(p1 [V], p2 marginal [V], P(n) [3]) computed directly from the models."""
+    draft_dir, target_dir = pair
+    target, draft = load_model(str(target_dir)), load_model(str(draft_dir))
+    vocab = target.config.vocab_size
+    seqs = torch.tensor([PROMPT + [x] for x in range(vocab)])  # [V, L+1]
+    with torch.no_grad():
+        tl = target(seqs).logits.float()  # [V, L+1, V]
+        dl = draft(seqs).logits.float()
+    p1 = probs_from_logits(tl[0, -2], params).double()  # [V]
+    p2 = probs_from_logits(tl[:, -1], params).double()  # [V, V] row = x1
+
+    def q_of(logits):
+        ids, probs = draft_distribution(logits, params, WIRE_TOP_K)
+        return sparse_to_dense(ids, probs.double(), vocab)
+
+    q1 = q_of(dl[0, -2])
+    q2 = torch.stack([q_of(dl[x, -1]) for x in range(vocab)])
+    alpha1 = float(acceptance_rate(p1, q1))
+    p_n2 = float((torch.minimum(p1, q1) * acceptance_rate(p2, q2)).sum())
+    n_dist = torch.tensor([1 - alpha1, alpha1 - p_n2, p_n2], dtype=torch.float64)
+    return p1, p1 @ p2, n_dist
+
+
+def sample(stack, params: SamplingParams):
+    def one(seed):
+        ids, _, st = stack.generate_raw(
+            prompt=PROMPT,
+            max_new_tokens=3,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            gamma=2,
+            seed=seed,
+        )
+        # First step's n: n = 2 emits 3 tokens in one step; n = 1 leaves a gamma-0
+        # step (2 drafted in all); n = 0 leaves a gamma-1 step (3 drafted).
+        n = 2 if st.steps == 1 else (1 if st.drafted_tokens == 2 else 0)
+        return ids[0], ids[1], n
+
+    with ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(one, range(N)))
+    return [torch.tensor(col) for col in zip(*rows, strict=True)]
+
+
+def check(stack, pair, params):
+    p1, p2, n_dist = exact(pair, params)
+    x1, x2, n = sample(stack, params)
+    results = {
+        "position 1": (tv(x1, p1), tv_threshold(p1, N)),
+        "position 2": (tv(x2, p2), tv_threshold(p2, N)),
+        "accepted n": (tv(n, n_dist), tv_threshold(n_dist, N)),
+    }
+    print({k: f"tv {d:.4f} (threshold {t:.4f})" for k, (d, t) in results.items()})
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0), SamplingParams(1.0, top_k=12, top_p=0.9)],
+    ids=["t1", "t1-topk12-topp0.9"],
+)
+def test_sampled_tokens_follow_target_distribution(llama_stack, llama_pair, params):
+    for name, (dist, threshold) in check(llama_stack, llama_pair, params).items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+@pytest.mark.slow
+def test_broken_sampler_fails_the_same_test(tmp_path, llama_pair):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BROKEN_SITE)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
+    )
+    with local_stack(tmp_path / "stack", *llama_pair, env=env) as broken:
+        results = check(broken, llama_pair, SamplingParams(1.0))
+    failed = [k for k, (d, t) in results.items() if d >= t]
+    assert failed, f"the broken sampler passed: {results}"
