@@ -1,0 +1,65 @@
+"""The config loader: defaults, overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.config import ConfigError, config_from_dict, load_config
+
+BASE = {"draft": {"model": "d"}, "target": {"model": "t"}}
+
+
+def test_default_config_loads_and_points_at_the_demo_pair():
+    cfg = load_config()
+    assert cfg.draft.model.endswith("models/demo/draft")
+    assert cfg.target.model.endswith("models/demo/target")
+    assert cfg.orchestrator.gamma <= cfg.orchestrator.max_gamma
+
+
+@pytest.mark.parametrize(
+    "raw,key",
+    [
+        ({**BASE, "draft": {"model": "d", "prot": 1}}, "draft.prot"),
+        ({**BASE, "bogus": {}}, "bogus"),
+        ({**BASE, "target": {"model": "t", "device": "tpu"}}, "target.device"),
+        ({**BASE, "target": {"model": "t", "dtype": "int8"}}, "target.dtype"),
+        ({**BASE, "draft": {"model": "d", "port": "eighty"}}, "draft.port"),
+        ({**BASE, "draft": {"model": "d", "port": 70000}}, "draft.port"),
+        ({**BASE, "orchestrator": {"gamma": 20}}, "orchestrator.gamma"),
+        ({**BASE, "orchestrator": {"max_new_tokens": 0}}, "orchestrator.max_new_tokens"),
+        ({"draft": {"model": "d"}, "target": {}}, "target.model"),
+        (
+            {**BASE, "draft": {"model": "d", "trust_remote_code": "maybe"}},
+            "draft.trust_remote_code",
+        ),
+    ],
+)
+def test_errors_name_the_key(raw, key):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw, env={})
+    assert str(err.value).startswith(key + ":"), str(err.value)
+
+
+def test_env_and_flags_override_in_order():
+    env = {
+        "SPECDEC_TARGET_DEVICE": "cuda",
+        "SPECDEC_ORCHESTRATOR_GAMMA": "2",
+        "SPECDEC_DRAFT_TLS__CA": "/ca.pem",
+        # Kubernetes service links share the prefix and are ignored.
+        "SPECDEC_DRAFT_PORT": "tcp://10.0.0.1:50051",
+        "SPECDEC_DRAFT_SERVICE_HOST": "10.0.0.1",
+    }
+    cfg = config_from_dict(BASE, ["orchestrator.gamma=3"], env=env)
+    assert cfg.target.device == "cuda"
+    assert cfg.orchestrator.gamma == 3  # the flag wins over the environment
+    assert cfg.draft.tls.ca == "/ca.pem"
+    assert cfg.draft.port == 50051  # the default, not the service link
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("draft: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
