@@ -91,6 +91,10 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()
         self.draft_info: common_pb2.ModelInfo | None = None
         self.target_info: common_pb2.ModelInfo | None = None
+        for stage in ("propose", "verify", "rollback", "orchestrator"):
+            metrics.STAGE_DURATION.labels(stage)
+        for peer in ("draft", "target"):
+            metrics.ROUND_TRIPS.labels(peer)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def connect(self) -> None:
@@ -108,6 +112,15 @@ class Orchestrator:
             log.warning("%s; starting without speculation", e)
             self.breaker.failure()
         self.check_compatible()
+        # The orchestrator serves the target's output; it reports the target's model id.
+        metrics.BUILD_INFO.labels("orchestrator").info(
+            {
+                "model_id": self.target_info.model_id,
+                "dtype": self.target_info.dtype,
+                "device": self.target_info.device,
+                "version": specdec.__version__,
+            }
+        )
 
     async def _wait_info(self, stub, name: str, address: str) -> common_pb2.ModelInfo:
         deadline = time.monotonic() + self.cfg.orchestrator.connect_timeout_s

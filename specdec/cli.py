@@ -99,7 +99,7 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         from orchestrator.server import serve
 
         running, domain = await serve(cfg)
-    metrics.serve_metrics(section.metrics_port, section.host)
+    metrics.serve_metrics(role, section.metrics_port, section.host)
     log.info(
         "%s serving on %s:%d (metrics :%d)", role, section.host, running.port, section.metrics_port
     )

@@ -1,5 +1,9 @@
 """Prometheus metrics of all three services, declared in one place.
 
+Each process exposes only its own role's metrics: the orchestrator's, or
+the model services' (plus the RPC and build-info metrics every server has),
+through ``ORCHESTRATOR_REGISTRY`` / ``MODEL_REGISTRY``.
+
 Names follow Prometheus conventions: one ``specdec_`` prefix, base units,
 ``_total`` on counters, histograms rather than summaries, and only bounded
 labels (role, stage, position up to the largest gamma, status code, ...),
@@ -10,7 +14,7 @@ Not for: computing anything; services call ``.observe``/``.inc`` on these.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 # Latency buckets from 0.5 ms to 60 s: a CPU decode step is ~5 ms, a request seconds.
 _FAST = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05)
@@ -21,72 +25,102 @@ MAX_POSITION_LABEL = 16
 
 # ---- orchestrator -----------------------------------------------------------
 REQUEST_DURATION = Histogram(
-    "specdec_request_duration_seconds", "End-to-end Generate duration.", buckets=LATENCY_BUCKETS
+    "specdec_request_duration_seconds",
+    "End-to-end Generate duration.",
+    buckets=LATENCY_BUCKETS,
+    registry=None,
 )
 TIME_TO_FIRST_TOKEN = Histogram(
     "specdec_time_to_first_token_seconds",
     "Time from request to the first streamed token.",
     buckets=LATENCY_BUCKETS,
+    registry=None,
 )
 INTER_TOKEN_LATENCY = Histogram(
     "specdec_inter_token_latency_seconds",
     "Mean time between generated tokens within one step's chunk.",
     buckets=LATENCY_BUCKETS,
+    registry=None,
 )
-PROMPT_TOKENS = Counter("specdec_prompt_tokens_total", "Prompt tokens received.")
-GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens generated and streamed.")
-STEPS = Counter("specdec_speculation_steps_total", "Speculation steps (one verify pass each).")
-DRAFTED_TOKENS = Counter("specdec_drafted_tokens_total", "Tokens proposed by the draft.")
-ACCEPTED_TOKENS = Counter("specdec_accepted_tokens_total", "Drafted tokens the target accepted.")
+PROMPT_TOKENS = Counter("specdec_prompt_tokens_total", "Prompt tokens received.", registry=None)
+GENERATED_TOKENS = Counter(
+    "specdec_generated_tokens_total", "Tokens generated and streamed.", registry=None
+)
+STEPS = Counter(
+    "specdec_speculation_steps_total", "Speculation steps (one verify pass each).", registry=None
+)
+DRAFTED_TOKENS = Counter(
+    "specdec_drafted_tokens_total", "Tokens proposed by the draft.", registry=None
+)
+ACCEPTED_TOKENS = Counter(
+    "specdec_accepted_tokens_total", "Drafted tokens the target accepted.", registry=None
+)
 DRAFTED_BY_POSITION = Counter(
     "specdec_drafted_tokens_by_position_total",
     "Drafted tokens by position in the draft (1-based).",
     ["position"],
+    registry=None,
 )
 ACCEPTED_BY_POSITION = Counter(
     "specdec_accepted_tokens_by_position_total",
     "Accepted drafted tokens by position in the draft (1-based).",
     ["position"],
+    registry=None,
 )
 STEP_ACCEPTED = Histogram(
     "specdec_step_accepted_tokens",
     "Drafted tokens accepted in one step (n in the paper).",
     buckets=tuple(range(0, MAX_POSITION_LABEL + 1)),
+    registry=None,
 )
 STEP_GAMMA = Histogram(
     "specdec_step_gamma",
     "gamma used in one speculation step.",
     buckets=tuple(range(0, MAX_POSITION_LABEL + 1)),
+    registry=None,
 )
 STAGE_DURATION = Histogram(
     "specdec_step_stage_duration_seconds",
     "Duration of each stage of a step: propose, verify, rollback, orchestrator.",
     ["stage"],
     buckets=LATENCY_BUCKETS,
+    registry=None,
 )
 WIRE_BYTES = Counter(
     "specdec_wire_bytes_total",
     "Serialized message bytes exchanged with each model service.",
     ["peer", "direction"],
+    registry=None,
 )
 ROUND_TRIPS = Counter(
-    "specdec_round_trips_total", "Sequential RPC round trips to each model service.", ["peer"]
+    "specdec_round_trips_total",
+    "Sequential RPC round trips to each model service.",
+    ["peer"],
+    registry=None,
 )
-REQUESTS = Counter("specdec_requests_total", "Generate requests by final gRPC status.", ["code"])
-LIVE_REQUESTS = Gauge("specdec_live_requests", "Generate requests in progress.")
-QUEUED_REQUESTS = Gauge("specdec_queued_requests", "Generate requests waiting for a slot.")
+REQUESTS = Counter(
+    "specdec_requests_total", "Generate requests by final gRPC status.", ["code"], registry=None
+)
+LIVE_REQUESTS = Gauge("specdec_live_requests", "Generate requests in progress.", registry=None)
+QUEUED_REQUESTS = Gauge(
+    "specdec_queued_requests", "Generate requests waiting for a slot.", registry=None
+)
 FALLBACK_STEPS = Counter(
     "specdec_fallback_steps_total",
     "Steps decoded by the target alone because speculation was unavailable, by reason.",
     ["reason"],
+    registry=None,
 )
 FALLBACK_REQUESTS = Counter(
     "specdec_fallback_requests_total",
     "Requests that had at least one step without speculation, by reason.",
     ["reason"],
+    registry=None,
 )
 SPECULATION_ENABLED = Gauge(
-    "specdec_speculation_enabled", "1 while the draft is in use, 0 while the breaker is open."
+    "specdec_speculation_enabled",
+    "1 while the draft is in use, 0 while the breaker is open.",
+    registry=None,
 )
 
 # ---- draft and target services --------------------------------------------------
@@ -95,20 +129,32 @@ FORWARD_DURATION = Histogram(
     "Model forward pass duration by kind: prefill, propose (one draft step), verify, decode.",
     ["role", "kind"],
     buckets=LATENCY_BUCKETS,
+    registry=None,
 )
 TOKENS_PROCESSED = Counter(
-    "specdec_model_tokens_processed_total", "Tokens fed through the model.", ["role", "kind"]
+    "specdec_model_tokens_processed_total",
+    "Tokens fed through the model.",
+    ["role", "kind"],
+    registry=None,
 )
-LIVE_SESSIONS = Gauge("specdec_model_live_sessions", "Sessions holding a KV cache.", ["role"])
-CACHED_TOKENS = Gauge("specdec_model_cached_tokens", "Tokens held in all KV caches.", ["role"])
-ROLLBACKS = Counter("specdec_model_rollbacks_total", "Cache truncations.", ["role"])
+LIVE_SESSIONS = Gauge(
+    "specdec_model_live_sessions", "Sessions holding a KV cache.", ["role"], registry=None
+)
+CACHED_TOKENS = Gauge(
+    "specdec_model_cached_tokens", "Tokens held in all KV caches.", ["role"], registry=None
+)
+ROLLBACKS = Counter("specdec_model_rollbacks_total", "Cache truncations.", ["role"], registry=None)
 ROLLED_BACK_TOKENS = Counter(
-    "specdec_model_rolled_back_tokens_total", "Tokens removed by cache truncations.", ["role"]
+    "specdec_model_rolled_back_tokens_total",
+    "Tokens removed by cache truncations.",
+    ["role"],
+    registry=None,
 )
 SESSION_EVICTIONS = Counter(
     "specdec_model_session_evictions_total",
     "Sessions freed without a close: ttl (idle too long).",
     ["role", "reason"],
+    registry=None,
 )
 
 # ---- every server (one interceptor) ------------------------------------------------
@@ -117,16 +163,72 @@ RPC_DURATION = Histogram(
     "Server-side RPC duration by service and method.",
     ["service", "method"],
     buckets=LATENCY_BUCKETS,
+    registry=None,
 )
 RPC_HANDLED = Counter(
     "specdec_rpc_handled_total",
     "RPCs completed by service, method and gRPC status code.",
     ["service", "method", "code"],
+    registry=None,
 )
 
 BUILD_INFO = Info(
-    "specdec_build", "Service role, model id, dtype, device and specdec version.", ["role"]
+    "specdec_build",
+    "Service role, model id, dtype, device and specdec version.",
+    ["role"],
+    registry=None,
 )
+
+
+_ORCHESTRATOR_METRICS = (
+    REQUEST_DURATION,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    PROMPT_TOKENS,
+    GENERATED_TOKENS,
+    STEPS,
+    DRAFTED_TOKENS,
+    ACCEPTED_TOKENS,
+    DRAFTED_BY_POSITION,
+    ACCEPTED_BY_POSITION,
+    STEP_ACCEPTED,
+    STEP_GAMMA,
+    STAGE_DURATION,
+    WIRE_BYTES,
+    ROUND_TRIPS,
+    REQUESTS,
+    LIVE_REQUESTS,
+    QUEUED_REQUESTS,
+    FALLBACK_STEPS,
+    FALLBACK_REQUESTS,
+    SPECULATION_ENABLED,
+)
+_MODEL_METRICS = (
+    FORWARD_DURATION,
+    TOKENS_PROCESSED,
+    LIVE_SESSIONS,
+    CACHED_TOKENS,
+    ROLLBACKS,
+    ROLLED_BACK_TOKENS,
+    SESSION_EVICTIONS,
+)
+_SERVER_METRICS = (RPC_DURATION, RPC_HANDLED, BUILD_INFO)
+
+
+def _registry(collectors) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in collectors:
+        registry.register(collector)
+    return registry
+
+
+ORCHESTRATOR_REGISTRY = _registry(_ORCHESTRATOR_METRICS + _SERVER_METRICS)
+MODEL_REGISTRY = _registry(_MODEL_METRICS + _SERVER_METRICS)
+
+
+def registry_for(role: str) -> CollectorRegistry:
+    """The metrics a process of this role exposes."""
+    return ORCHESTRATOR_REGISTRY if role == "orchestrator" else MODEL_REGISTRY
 
 
 def position_label(position: int) -> str:
@@ -134,8 +236,8 @@ def position_label(position: int) -> str:
     return str(min(position, MAX_POSITION_LABEL))
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
-    """Expose /metrics over HTTP on ``port`` (0 disables). Returns the port."""
+def serve_metrics(role: str, port: int, host: str = "0.0.0.0") -> int:
+    """Expose this role's /metrics over HTTP on ``port`` (0 disables). Returns the port."""
     if port:
-        start_http_server(port, addr=host)
+        start_http_server(port, addr=host, registry=registry_for(role))
     return port

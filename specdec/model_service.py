@@ -62,6 +62,10 @@ class ModelService:
             }
         )
         self.sessions.update_gauges()
+        # Create every labelled series now, so dashboards show 0 rather than nothing.
+        metrics.ROLLBACKS.labels(role)
+        metrics.ROLLED_BACK_TOKENS.labels(role)
+        metrics.SESSION_EVICTIONS.labels(role, "ttl")
 
     # ---- lifecycle -------------------------------------------------------------------
     def start_sweeper(self) -> None:
