@@ -7,6 +7,7 @@ goes on the wire, so the orchestrator's acceptance test stays exact.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -35,46 +36,59 @@ class DraftModel(ModelService):
         generator: torch.Generator,
         wire_top_k: int,
         kind: str,
-    ):
+    ) -> tuple[int, common_pb2.Distribution]:
+        """Feed tokens, then draw x from q; returns x and q as it goes on the wire."""
         logits = self.timed_forward(kind, session, feed)[-1]  # [vocab]
         ids, probs = draft_distribution(logits, params, wire_top_k)  # [k], [k]
-        if ids.numel() == 1:
-            return int(ids[0]), ids, probs
-        pick = torch.multinomial(probs, 1, generator=generator)
-        return int(ids[pick]), ids, probs
+        pick = 0 if ids.numel() == 1 else int(torch.multinomial(probs, 1, generator=generator))
+        if wire_top_k == 0 and not params.greedy:
+            q = common_pb2.Distribution(probs=sparse_to_dense(ids, probs, self.vocab_size).tolist())
+        else:
+            q = common_pb2.Distribution(token_ids=ids.tolist(), probs=probs.tolist())
+        return int(ids[pick]), q
 
-    def _prepare(self, session: KVSession, cache_len: int) -> None:
-        self.truncate(session, cache_len)
+    def _draft_all(
+        self,
+        request: draft_pb2.ProposeRequest,
+        session: KVSession,
+        params: SamplingParams,
+        feed: list[int],
+        emit,
+    ) -> None:
+        """Draft gamma tokens on the forward thread, handing each to ``emit`` at once."""
+        self.truncate(session, request.cache_len)
+        generator = torch.Generator().manual_seed(request.seed)
+        kind = "prefill" if len(feed) > 1 else "propose"
+        for index in range(request.gamma):
+            token, q = self._draft_one(session, feed, params, generator, request.wire_top_k, kind)
+            emit(draft_pb2.DraftToken(index=index, token_id=token, q=q, cache_len=session.length))
+            feed, kind = [token], "propose"
 
     async def propose(
         self, request: draft_pb2.ProposeRequest
     ) -> AsyncIterator[draft_pb2.DraftToken]:
-        session = self.svc_session(request)
+        session = self.session_at(request.session_id, request.cache_len)
         params = params_from_pb(request.params)
         gamma = request.gamma
         require(1 <= gamma <= MAX_GAMMA, "gamma", f"must be in [1, {MAX_GAMMA}], got {gamma}")
         require(request.wire_top_k >= 0, "wire_top_k", "must be >= 0")
         feed = self.check_tokens("append_tokens", request.append_tokens, min_len=1)
         self.check_room("gamma", request.cache_len + len(feed) + gamma)
-        generator = torch.Generator().manual_seed(request.seed)
-        await self.run(self._prepare, session, request.cache_len)
-        kind = "prefill" if len(feed) > 1 else "propose"
-        for index in range(gamma):
-            token, ids, probs = await self.run(
-                self._draft_one, session, feed, params, generator, request.wire_top_k, kind
-            )
-            if request.wire_top_k == 0 and not params.greedy:
-                q = common_pb2.Distribution(
-                    probs=sparse_to_dense(ids, probs, self.vocab_size).tolist()
-                )
-            else:
-                q = common_pb2.Distribution(token_ids=ids.tolist(), probs=probs.tolist())
-            yield draft_pb2.DraftToken(index=index, token_id=token, q=q, cache_len=session.length)
-            feed, kind = [token], "propose"
-        self.sessions.update_gauges()
+        # One hop to the forward thread for the whole draft (not one per token);
+        # tokens come back through a queue as soon as each exists.
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
 
-    def svc_session(self, request) -> KVSession:
-        return self.session_at(request.session_id, request.cache_len)
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        work = self.run(self._draft_all, request, session, params, feed, emit)
+        work = asyncio.ensure_future(work)
+        work.add_done_callback(lambda _: queue.put_nowait(None))
+        while (item := await queue.get()) is not None:
+            yield item
+        await work  # re-raises a failure of the forward thread
+        self.sessions.update_gauges()
 
 
 class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServiceServicer):

@@ -70,11 +70,12 @@ class TargetModel(ModelService):
         cache_len: int,
         pending: list[int],
         drafts: list[int],
-        q: torch.Tensor,
+        draft_q,
         params: SamplingParams,
         seed: int,
         keep_p: bool,
     ) -> VerifyResult:
+        q = self.dense_q(drafts, draft_q)  # [gamma, vocab]; validated before any change
         self.truncate(session, cache_len)
         gamma = len(drafts)
         kind = "verify" if gamma else ("prefill" if len(pending) > 1 else "decode")
@@ -96,14 +97,13 @@ class TargetModel(ModelService):
             f"needs one distribution per drafted token ({len(drafts)}), got {len(request.draft_q)}",
         )
         self.check_room("draft_tokens", request.cache_len + len(pending) + len(drafts))
-        q = self.dense_q(drafts, request.draft_q)
         result = await self.run(
             self._verify,
             session,
             request.cache_len,
             pending,
             drafts,
-            q,
+            request.draft_q,
             params,
             request.seed,
             request.return_dense_p,
