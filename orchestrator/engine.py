@@ -89,6 +89,7 @@ class Orchestrator:
         self.live = 0
         self.queued = 0
         self._background: set[asyncio.Task] = set()
+        self.draining = False
         self.draft_info: common_pb2.ModelInfo | None = None
         self.target_info: common_pb2.ModelInfo | None = None
         for stage in ("propose", "verify", "rollback", "orchestrator"):
@@ -162,7 +163,14 @@ class Orchestrator:
                 + "; ".join(problems)
             )
 
-    async def close(self) -> None:
+    def begin_drain(self) -> None:
+        """From now on, refuse new requests; running ones finish."""
+        self.draining = True
+
+    def idle(self) -> bool:
+        return self.live == 0 and self.queued == 0 and not self._background
+
+    async def aclose(self) -> None:
         for task in list(self._background):
             await asyncio.wait([task], timeout=2.0)
         await self.draft_channel.close()
@@ -265,6 +273,8 @@ class Orchestrator:
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """Admission control, then one Generation. ``deadline`` is time.monotonic()-based."""
         start = time.perf_counter()
+        if self.draining:
+            raise Unavailable("orchestrator: shutting down, not taking new requests")
         spec = self.parse(r)
         o = self.cfg.orchestrator
         if self.live >= o.max_concurrent_requests and self.queued >= o.max_queued_requests:
@@ -439,17 +449,7 @@ class Generation:
             self.fallback(gamma, "breaker_open")
         elif gamma:
             tp = time.perf_counter()
-            try:
-                if not self.draft_open:
-                    await self.open_draft()
-                drafts, qs, q_draft = await self.propose(gamma)
-                self.orch.breaker.success()
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, Unavailable) as e:
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    raise
-                self.draft_failed(e)
-                self.fallback(gamma, self.stats_reason(e))
-                drafts, qs, q_draft = [], [], []
+            drafts, qs, q_draft = await self.try_propose(gamma)
             t_propose = time.perf_counter() - tp
         used = len(drafts)
         tv = time.perf_counter()
@@ -481,18 +481,56 @@ class Generation:
         self.stats.fallback_reasons.add(reason)
         metrics.FALLBACK_STEPS.labels(reason).inc()
 
+    async def try_propose(self, gamma: int):
+        """Drafts from the draft service, or none (a fallback step) if it fails.
+
+        A draft that lost the session (it restarted) gets it back by re-prefill
+        at once; any other failure opens the circuit breaker.
+        """
+        for attempt in (1, 2):
+            try:
+                if not self.draft_open:
+                    await self.open_draft()
+                drafts = await self.propose(gamma)
+                self.orch.breaker.success()
+                return drafts
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, Unavailable) as e:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    raise
+                lost = isinstance(e, grpc.aio.AioRpcError) and e.code() in SESSION_LOST
+                if lost and attempt == 1:
+                    log.warning("draft lost session %s: re-prefilling", self.sid)
+                    self.draft_open = False
+                    continue
+                self.draft_failed(e)
+                self.fallback(gamma, self.stats_reason(e))
+        return [], [], []
+
     async def verify_with_reopen(self, drafts, qs) -> target_pb2.VerifyResponse:
-        """Verify; a target that lost the session (restart) gets it back by re-prefill."""
-        if not self.target_open:
-            await self.open_target()
-        try:
-            return await self.verify(drafts, qs)
-        except grpc.aio.AioRpcError as e:
-            if e.code() not in SESSION_LOST:
-                raise
-            log.warning("target lost session %s (%s): re-prefilling", self.sid, e.code().name)
-            await self.open_target()
-            return await self.verify(drafts, qs)
+        """Verify, riding out a target restart.
+
+        A target that lost the session (NOT_FOUND / FAILED_PRECONDITION after a
+        restart) gets it back by re-prefilling the history; an unreachable
+        target is retried for up to ``target_retry_s`` once this request has
+        started (a new request fails fast instead, in open_sessions).
+        """
+        retry_until = time.monotonic() + self.o.target_retry_s
+        delay = 0.05
+        while True:
+            try:
+                if not self.target_open:
+                    await self.open_target()
+                return await self.verify(drafts, qs)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in SESSION_LOST:
+                    log.warning(
+                        "target lost session %s (%s): re-prefilling", self.sid, e.code().name
+                    )
+                    self.target_open = False
+                elif e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > retry_until:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def advance(self, drafts: list[int], n: int, new: list[int]) -> None:
         """Update history and both caches' valid lengths after a step emitting ``new``."""

@@ -105,13 +105,7 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
     )
     print(f"specdec {role} ready on {section.host}:{running.port}", flush=True)
 
-    async def stop() -> None:
-        if role == "orchestrator":
-            await domain.close()
-        else:
-            domain.shutdown()
-
-    await serve_until_signal(running, section.grace_period_s, stop)
+    await serve_until_signal(running, domain, section.grace_period_s)
 
 
 # ---- up -----------------------------------------------------------------------------

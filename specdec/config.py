@@ -92,8 +92,11 @@ class OrchestratorConfig:
     max_concurrent_requests: int = 32
     max_queued_requests: int = 64
     # Deadlines for one call to each service.
-    draft_timeout_s: float = 2.0
+    draft_timeout_s: float = 0.5
     target_timeout_s: float = 30.0
+    # A request in progress retries an unreachable target this long (a restart);
+    # a new request fails at once with UNAVAILABLE.
+    target_retry_s: float = 15.0
     # After a draft failure, plain decoding for this long before trying again
     # (doubling on each further failure up to the maximum).
     draft_retry_after_s: float = 1.0
@@ -149,6 +152,7 @@ _NON_NEGATIVE = {
     "torch_threads",
     "draft_retry_after_s",
     "draft_retry_max_s",
+    "target_retry_s",
 }
 
 

@@ -18,7 +18,7 @@ import torch
 import specdec
 from specdec import metrics
 from specdec.config import ModelServiceConfig
-from specdec.errors import FailedPrecondition, require
+from specdec.errors import FailedPrecondition, Unavailable, require
 from specdec.model import KVSession, ModelRunner, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
@@ -51,6 +51,7 @@ class ModelService:
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-forward")
         self._sweeper: asyncio.Task | None = None
+        self.draining = False
         eos = self.model.config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else (eos if eos is not None else -1)
         metrics.BUILD_INFO.labels(role).info(
@@ -78,7 +79,14 @@ class ModelService:
 
         self._sweeper = asyncio.get_running_loop().create_task(sweep())
 
-    def shutdown(self) -> None:
+    def begin_drain(self) -> None:
+        """From now on, refuse new sessions; existing ones are served to the end."""
+        self.draining = True
+
+    def idle(self) -> bool:
+        return len(self.sessions) == 0
+
+    async def aclose(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
         self.sessions.clear()
@@ -140,6 +148,8 @@ class ModelService:
 
     # ---- the shared RPCs ---------------------------------------------------------------
     async def open(self, session_id: str, tokens) -> int:
+        if self.draining:
+            raise Unavailable(f"{self.role}: shutting down, not opening new sessions")
         self.check_session_id(session_id)
         tokens = self.check_tokens("tokens", tokens)
         self.check_room("tokens", len(tokens))

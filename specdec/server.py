@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -187,6 +188,10 @@ def open_channel(address: str, tls: TlsConfig, max_message_bytes: int) -> grpc.a
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 0),
+        # Reconnect quickly to a restarted service (gRPC's default backs off to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
     creds = channel_credentials(tls)
     if creds is None:
@@ -209,11 +214,6 @@ class RunningServer:
         )
         for name in ("", *self.service_names):
             await self.health.set(name, status)
-
-    async def drain(self, grace_s: float) -> None:
-        """Graceful shutdown: NOT_SERVING, refuse new RPCs, finish in-flight ones."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
 
 
 async def start_server(
@@ -262,18 +262,36 @@ async def start_server(
     return running
 
 
-async def serve_until_signal(
-    running: RunningServer, grace_s: float, on_stop: Callable[[], object] | None = None
-) -> None:
-    """Block until SIGTERM/SIGINT, then drain within grace_s."""
+class Drainable(Protocol):
+    """What a service's domain offers for graceful shutdown."""
+
+    def begin_drain(self) -> None: ...  # refuse new work with UNAVAILABLE from now on
+
+    def idle(self) -> bool: ...  # no in-flight work left
+
+    async def aclose(self) -> None: ...
+
+
+async def serve_until_signal(running: RunningServer, domain: Drainable, grace_s: float) -> None:
+    """Block until SIGTERM/SIGINT, then shut down gracefully.
+
+    Health turns NOT_SERVING, new work is refused (UNAVAILABLE) while in-flight
+    work (live sessions, running requests) finishes, for at most grace_s; then
+    the server stops and the domain is closed.
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received: draining for up to %.1fs", grace_s)
-    await running.drain(grace_s)
-    if on_stop is not None:
-        result = on_stop()
-        if asyncio.iscoroutine(result):
-            await result
+    await running.health.enter_graceful_shutdown()
+    domain.begin_drain()
+    deadline = time.monotonic() + grace_s
+    while not domain.idle() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not domain.idle():
+        log.warning("grace period over with work in flight; stopping anyway")
+    await running.server.stop(max(0.1, deadline - time.monotonic()))
+    await domain.aclose()
+    log.info("stopped")
