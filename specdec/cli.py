@@ -109,7 +109,7 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
 
 # ---- up -----------------------------------------------------------------------------
-def _wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -> None:
+def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
@@ -117,7 +117,7 @@ def _wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
-                raise SystemExit("a service exited during start-up (see its output above)")
+                raise RuntimeError("a service exited during start-up (see its output above)")
             try:
                 r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
@@ -125,7 +125,7 @@ def _wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise SystemExit(f"{address} did not become healthy within {timeout:.0f}s")
+    raise RuntimeError(f"{address} did not become healthy within {timeout:.0f}s")
 
 
 def start_local(
@@ -151,9 +151,9 @@ def start_local(
                 )
             )
             if role == "target":
-                _wait_healthy(f"{cfg.draft.host}:{cfg.draft.port}", 300, procs)
-                _wait_healthy(f"{cfg.target.host}:{cfg.target.port}", 300, procs)
-        _wait_healthy(f"{cfg.orchestrator.host}:{cfg.orchestrator.port}", 300, procs)
+                wait_healthy(f"{cfg.draft.host}:{cfg.draft.port}", 300, procs)
+                wait_healthy(f"{cfg.target.host}:{cfg.target.port}", 300, procs)
+        wait_healthy(f"{cfg.orchestrator.host}:{cfg.orchestrator.port}", 300, procs)
     except BaseException:
         stop_local(procs)
         raise
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

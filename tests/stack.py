@@ -16,7 +16,7 @@ from urllib.request import urlopen
 import grpc
 import yaml
 
-from specdec.cli import start_local, stop_local
+from specdec.cli import start_local, stop_local, wait_healthy
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from .tiny import build_pair
@@ -33,6 +33,7 @@ class Stack:
     config_path: Path
     config: dict
     procs: list[subprocess.Popen] = field(default_factory=list)
+    env: dict[str, str] | None = None
 
     @property
     def orchestrator_address(self) -> str:
@@ -99,6 +100,26 @@ class Stack:
     def live_sessions(self, role: str) -> float:
         return self.metric(role, "specdec_model_live_sessions", f'role="{role}"')
 
+    ROLES = ("draft", "target", "orchestrator")  # the order of ``procs``
+
+    def proc(self, role: str) -> subprocess.Popen:
+        return self.procs[self.ROLES.index(role)]
+
+    def signal(self, role: str, sig: int) -> None:
+        self.proc(role).send_signal(sig)
+
+    def restart(self, role: str, timeout: float = 120.0) -> None:
+        """Start ``role`` again (after it died) on its port; waits until healthy."""
+        old = self.proc(role)
+        old.wait(timeout)
+        new = subprocess.Popen(
+            [sys.executable, "-m", "specdec", "serve", role, "--config", str(self.config_path)],
+            stdout=subprocess.DEVNULL,
+            env=self.env,
+        )
+        self.procs[self.ROLES.index(role)] = new
+        wait_healthy(self.address(role), timeout, [new])
+
     def stop(self) -> None:
         stop_local(self.procs)
 
@@ -146,7 +167,7 @@ def local_stack(
     if draft is None or target is None:
         draft, target = build_pair(tmp_path / "models")
     path, cfg = write_config(tmp_path, draft, target, **overrides)
-    stack = Stack(path, cfg)
+    stack = Stack(path, cfg, env=env)
     stack.procs = start_local(str(path), [], quiet=True, env=env)
     try:
         yield stack
