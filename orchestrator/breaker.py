@@ -1,14 +1,12 @@
 """A circuit breaker for the draft: after a failure, speculation pauses and
 requests are served by the target alone; it is retried after a back-off that
-doubles on each further failure. One breaker per orchestrator, shared by all
+doubles on each further failure. One breaker per draft replica, shared by all
 requests, so a dead draft costs one timeout, not one per request.
 """
 
 from __future__ import annotations
 
 import time
-
-from specdec import metrics
 
 
 class CircuitBreaker:
@@ -17,7 +15,6 @@ class CircuitBreaker:
         self.retry_max_s = retry_max_s
         self.failures = 0
         self.open_until = 0.0
-        metrics.SPECULATION_ENABLED.set(1)
 
     def allow(self, now: float | None = None) -> bool:
         """True while closed, or when the back-off has passed (a trial call)."""
@@ -27,11 +24,9 @@ class CircuitBreaker:
         if self.failures:
             self.failures = 0
             self.open_until = 0.0
-            metrics.SPECULATION_ENABLED.set(1)
 
     def failure(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         delay = min(self.retry_after_s * 2**self.failures, self.retry_max_s)
         self.failures += 1
         self.open_until = now + delay
-        metrics.SPECULATION_ENABLED.set(0)

@@ -31,7 +31,6 @@ from specdec.config import Config
 from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable, require
 from specdec.model import load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import SamplingParams, accepted_count, step_tokens
-from specdec.server import open_channel
 from specdec.v1 import (
     common_pb2,
     draft_pb2,
@@ -41,7 +40,7 @@ from specdec.v1 import (
     target_pb2_grpc,
 )
 
-from .breaker import CircuitBreaker
+from .replicas import Replica, ReplicaPool
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ class Stats:
 
 
 class Orchestrator:
-    """Connections to draft and target, admission control and the breaker."""
+    """Replicas of draft and target, admission control, and request validation."""
 
     def __init__(self, cfg: Config, tokenizer=None) -> None:
         self.cfg = cfg
@@ -84,12 +83,14 @@ class Orchestrator:
         self.tokenizer = (
             tokenizer if tokenizer is not None else load_tokenizer(o.tokenizer or cfg.target.model)
         )
-        self.breaker = CircuitBreaker(o.draft_retry_after_s, o.draft_retry_max_s)
         self._slots = asyncio.Semaphore(o.max_concurrent_requests)
         self.live = 0
         self.queued = 0
         self._background: set[asyncio.Task] = set()
         self.draining = False
+        self._resolver: asyncio.Task | None = None
+        self.target_pool: ReplicaPool | None = None
+        self.draft_pool: ReplicaPool | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
         self.target_info: common_pb2.ModelInfo | None = None
         for stage in ("propose", "verify", "rollback", "orchestrator"):
@@ -98,21 +99,36 @@ class Orchestrator:
             metrics.ROUND_TRIPS.labels(peer)
 
     # ---- lifecycle -------------------------------------------------------------------
-    async def connect(self) -> None:
-        """Open channels, wait for both services, and check they can cooperate."""
+    def _pool(self, role: str, spec: str, make_stub, check) -> ReplicaPool:
         o = self.cfg.orchestrator
-        self.draft_channel = open_channel(o.draft_address, o.upstream_tls, o.max_message_bytes)
-        self.target_channel = open_channel(o.target_address, o.upstream_tls, o.max_message_bytes)
-        self.draft = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
-        self.target = target_pb2_grpc.TargetServiceStub(self.target_channel)
-        self.target_info = await self._wait_info(self.target, "target", o.target_address)
+        return ReplicaPool(
+            role,
+            spec,
+            make_stub,
+            o.upstream_tls,
+            o.max_message_bytes,
+            o.draft_retry_after_s,
+            o.draft_retry_max_s,
+            check,
+        )
+
+    async def connect(self) -> None:
+        """Find the replicas, wait for a target (and a draft), check they can cooperate."""
+        o = self.cfg.orchestrator
+        self.target_pool = self._pool(
+            "target", o.target_address, target_pb2_grpc.TargetServiceStub, self.check_target
+        )
+        self.draft_pool = self._pool(
+            "draft", o.draft_address, draft_pb2_grpc.DraftServiceStub, self.check_draft
+        )
+        self.target_info = await self.target_pool.wait_ready(o.connect_timeout_s)
         try:
-            self.draft_info = await self._wait_info(self.draft, "draft", o.draft_address)
+            self.draft_info = await self.draft_pool.wait_ready(o.connect_timeout_s)
         except Unavailable as e:
-            # The target alone can serve every request; speculation resumes later.
+            # The target alone can serve every request; speculation starts when a draft answers.
             log.warning("%s; starting without speculation", e)
-            self.breaker.failure()
-        self.check_compatible()
+        self.update_speculation_gauge()
+        self._resolver = asyncio.get_running_loop().create_task(self._keep_resolving())
         # The orchestrator serves the target's output; it reports the target's model id.
         metrics.BUILD_INFO.labels("orchestrator").info(
             {
@@ -123,30 +139,41 @@ class Orchestrator:
             }
         )
 
-    async def _wait_info(self, stub, name: str, address: str) -> common_pb2.ModelInfo:
-        deadline = time.monotonic() + self.cfg.orchestrator.connect_timeout_s
+    async def _keep_resolving(self) -> None:
         while True:
+            await asyncio.sleep(self.cfg.orchestrator.resolve_interval_s)
             try:
-                return await stub.Info(common_pb2.InfoRequest(), timeout=2.0)
-            except grpc.aio.AioRpcError as e:
-                if time.monotonic() > deadline:
-                    raise Unavailable(
-                        f"{name} service at {address} did not answer: {e.code().name} {e.details()}"
-                    ) from None
-                await asyncio.sleep(0.2)
+                await self.target_pool.refresh()
+                await self.draft_pool.refresh()
+                if self.draft_info is None:
+                    self.draft_info = next(
+                        (r.info for r in self.draft_pool.replicas.values() if r.info), None
+                    )
+                self.update_speculation_gauge()
+            except Exception:  # never let a resolver hiccup stop the service
+                log.exception("refreshing replicas failed")
 
-    def check_compatible(self) -> None:
-        """Refuse to run a draft/target pair that does not share a vocabulary."""
+    def update_speculation_gauge(self) -> None:
+        metrics.SPECULATION_ENABLED.set(1 if self.draft_pool.any_usable() else 0)
+
+    def check_target(self, t: common_pb2.ModelInfo) -> None:
+        """A target replica must use the orchestrator's tokenizer and agree with the others."""
         own = tokenizer_fingerprint(self.tokenizer)
-        t = self.target_info
         if own != t.tokenizer_fingerprint:
             raise FailedPrecondition(
-                "tokenizer: the orchestrator's tokenizer differs from the target's "
+                f"tokenizer: the orchestrator's tokenizer differs from target {t.model_id}'s "
                 f"({own[:12]} vs {t.tokenizer_fingerprint[:12]})"
             )
-        d = self.draft_info
-        if d is None:
-            return
+        first = self.target_info
+        if first is not None and (first.vocab_size, first.eos_token_id) != (
+            t.vocab_size,
+            t.eos_token_id,
+        ):
+            raise FailedPrecondition(f"target {t.model_id} differs from the other targets")
+
+    def check_draft(self, d: common_pb2.ModelInfo) -> None:
+        """Refuse a draft that does not share the target's vocabulary."""
+        t = self.target_info
         problems = []
         if d.vocab_size != t.vocab_size:
             problems.append(f"vocab_size draft {d.vocab_size} != target {t.vocab_size}")
@@ -173,8 +200,11 @@ class Orchestrator:
     async def aclose(self) -> None:
         for task in list(self._background):
             await asyncio.wait([task], timeout=2.0)
-        await self.draft_channel.close()
-        await self.target_channel.close()
+        if self._resolver is not None:
+            self._resolver.cancel()
+        for pool in (self.draft_pool, self.target_pool):
+            if pool is not None:
+                await pool.aclose()
 
     def spawn(self, coro) -> None:
         """Run ``coro`` in the background, surviving the caller's cancellation."""
@@ -322,6 +352,8 @@ class Generation:
         self.stats = Stats()
         self.text = TextStream(orch.tokenizer, spec.stops)
         self.eos = orch.target_info.eos_token_id
+        self.target_rep: Replica | None = None  # pinned replicas
+        self.draft_rep: Replica | None = None
         self.target_open = self.draft_open = False
         self.target_len = self.draft_len = 0
         self.target_pending: list[int] = []
@@ -347,9 +379,30 @@ class Generation:
     def _seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self.generator))
 
+    def pin_target(self) -> None:
+        """Pin this request to the least-loaded target replica (another one if pinned)."""
+        replica = self.orch.target_pool.pick(exclude=self.target_rep)
+        if replica is None:
+            if self.target_rep is not None:
+                return  # the only replica: keep retrying it
+            raise Unavailable(f"target: no healthy replica at {self.o.target_address}")
+        if self.target_rep is not None:
+            self.orch.spawn(self._close("target", self.target_rep, self.target_open))
+            self.target_rep.pinned -= 1
+        replica.pinned += 1
+        self.target_rep, self.target_open = replica, False
+
+    def pin_draft(self) -> bool:
+        """Pin to the least-loaded usable draft replica; False if none is usable."""
+        replica = self.orch.draft_pool.pick()
+        if replica is not None:
+            replica.pinned += 1
+            self.draft_rep, self.draft_open = replica, False
+        return replica is not None
+
     async def open_target(self) -> None:
         req = common_pb2.OpenSessionRequest(session_id=self.sid, tokens=self.history[:-1])
-        resp = await self.orch.target.OpenSession(
+        resp = await self.target_rep.stub.OpenSession(
             req, timeout=self.timeout(self.o.target_timeout_s)
         )
         self.count("target", req.ByteSize(), resp.ByteSize())
@@ -358,7 +411,9 @@ class Generation:
 
     async def open_draft(self) -> None:
         req = common_pb2.OpenSessionRequest(session_id=self.sid, tokens=self.history[:-1])
-        resp = await self.orch.draft.OpenSession(req, timeout=self.timeout(self.o.draft_timeout_s))
+        resp = await self.draft_rep.stub.OpenSession(
+            req, timeout=self.timeout(self.o.draft_timeout_s)
+        )
         self.count("draft", req.ByteSize(), resp.ByteSize())
         self.draft_open, self.draft_len = True, resp.cache_len
         self.draft_pending = self.history[-1:]
@@ -376,7 +431,7 @@ class Generation:
             wire_top_k=self.wire_q,
         )
         drafts, qs, q_draft, received = [], [], [], 0
-        call = self.orch.draft.Propose(req, timeout=self.timeout(self.o.draft_timeout_s))
+        call = self.draft_rep.stub.Propose(req, timeout=self.timeout(self.o.draft_timeout_s))
         async for msg in call:
             received += msg.ByteSize()
             drafts.append(msg.token_id)
@@ -398,7 +453,7 @@ class Generation:
             seed=self._seed(),
             return_dense_p=self.spec.dense,
         )
-        resp = await self.orch.target.Verify(req, timeout=self.timeout(self.o.target_timeout_s))
+        resp = await self.target_rep.stub.Verify(req, timeout=self.timeout(self.o.target_timeout_s))
         self.count("target", req.ByteSize(), resp.ByteSize())
         return resp
 
@@ -409,14 +464,14 @@ class Generation:
     async def rollback(self) -> None:
         """Explicit Rollback RPCs trimming both caches to their valid lengths."""
         calls = []
-        for peer, stub, length, timeout in (
-            ("target", self.orch.target, self.target_len, self.o.target_timeout_s),
-            ("draft", self.orch.draft, self.draft_len, self.o.draft_timeout_s),
+        for peer, replica, length, timeout in (
+            ("target", self.target_rep, self.target_len, self.o.target_timeout_s),
+            ("draft", self.draft_rep, self.draft_len, self.o.draft_timeout_s),
         ):
             if peer == "draft" and not self.draft_open:
                 continue
             req = common_pb2.RollbackRequest(session_id=self.sid, cache_len=length)
-            calls.append((peer, req, stub.Rollback(req, timeout=self.timeout(timeout))))
+            calls.append((peer, req, replica.stub.Rollback(req, timeout=self.timeout(timeout))))
         for peer, req, call in calls:
             try:
                 resp = await call
@@ -431,12 +486,15 @@ class Generation:
         reason = e.code().name.lower() if isinstance(e, grpc.aio.AioRpcError) else "timeout"
         if isinstance(e, Unavailable):
             reason = "incomplete"
-        log.warning("draft failed (%s): speculating again after back-off", reason)
-        self.orch.breaker.failure()
+        log.warning(
+            "draft %s failed (%s): speculating again after back-off", self.draft_rep.address, reason
+        )
+        self.draft_rep.breaker.failure()
+        self.orch.update_speculation_gauge()
         self.stats.fallback_reasons.add(reason)
-        if self.draft_open:
-            self.orch.spawn(self._close("draft"))
-        self.draft_open = False
+        self.orch.spawn(self._close("draft", self.draft_rep, self.draft_open))
+        self.draft_rep.pinned -= 1
+        self.draft_rep, self.draft_open = None, False
 
     async def step(self) -> tuple[list[int], int, int]:
         """One speculation step; returns (new tokens, gamma used, accepted n)."""
@@ -445,7 +503,7 @@ class Generation:
         gamma = max(0, min(self.spec.gamma, remaining - 1))
         drafts, qs, q_draft = [], [], []
         t_propose = 0.0
-        if gamma and not self.orch.breaker.allow():
+        if gamma and self.draft_rep is None and not self.pin_draft():
             self.fallback(gamma, "breaker_open")
         elif gamma:
             tp = time.perf_counter()
@@ -492,7 +550,9 @@ class Generation:
                 if not self.draft_open:
                     await self.open_draft()
                 drafts = await self.propose(gamma)
-                self.orch.breaker.success()
+                if self.draft_rep.breaker.failures:
+                    self.draft_rep.breaker.success()
+                    self.orch.update_speculation_gauge()
                 return drafts
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, Unavailable) as e:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -504,6 +564,7 @@ class Generation:
                     continue
                 self.draft_failed(e)
                 self.fallback(gamma, self.stats_reason(e))
+                break
         return [], [], []
 
     async def verify_with_reopen(self, drafts, qs) -> target_pb2.VerifyResponse:
@@ -520,7 +581,10 @@ class Generation:
             try:
                 if not self.target_open:
                     await self.open_target()
-                return await self.verify(drafts, qs)
+                response = await self.verify(drafts, qs)
+                if self.target_rep.breaker.failures:
+                    self.target_rep.breaker.success()
+                return response
             except grpc.aio.AioRpcError as e:
                 if e.code() in SESSION_LOST:
                     log.warning(
@@ -529,6 +593,11 @@ class Generation:
                     self.target_open = False
                 elif e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > retry_until:
                     raise
+                else:
+                    # Move to another replica if there is one (re-prefilled from the
+                    # history); otherwise wait for this one to come back.
+                    self.target_rep.breaker.failure()
+                    self.pin_target()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
@@ -623,16 +692,26 @@ class Generation:
 
     async def open_sessions(self) -> None:
         """Prefill both caches concurrently (the draft only when speculating)."""
-        use_draft = (
-            self.spec.gamma > 0 and self.spec.max_new_tokens > 1 and self.orch.breaker.allow()
-        )
+        self.pin_target()
         target = asyncio.ensure_future(self.open_target())
-        if use_draft:
+        if self.spec.gamma > 0 and self.spec.max_new_tokens > 1 and self.pin_draft():
             try:
                 await self.open_draft()
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 self.draft_failed(e)
-        await target
+        while True:
+            try:
+                return await target
+            except grpc.aio.AioRpcError as e:
+                # An unreachable replica is skipped for a while; with no other
+                # healthy one the request fails now (pin_target raises UNAVAILABLE).
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.target_rep.breaker.failure()
+                self.target_rep.pinned -= 1
+                self.target_rep = None
+                self.pin_target()
+                target = asyncio.ensure_future(self.open_target())
 
     def final_stats(self, finish: str) -> orchestrator_pb2.GenerationStats:
         s = self.stats
@@ -656,21 +735,26 @@ class Generation:
             fallback_steps=s.fallback_steps,
         )
 
-    async def _close(self, peer: str) -> None:
-        stub = self.orch.target if peer == "target" else self.orch.draft
+    async def _close(self, peer: str, replica: Replica | None, opened: bool) -> None:
+        if replica is None or not opened:
+            return
         req = common_pb2.CloseSessionRequest(session_id=self.sid)
         try:
-            await stub.CloseSession(req, timeout=2.0)
+            await replica.stub.CloseSession(req, timeout=2.0)
         except grpc.aio.AioRpcError as e:
             # The service's TTL frees the session if it cannot be told now.
             log.info("closing %s session %s failed: %s", peer, self.sid, e.code().name)
 
     async def close_sessions(self) -> None:
-        closes = []
-        if self.target_open:
-            closes.append(self._close("target"))
-        if self.draft_open:
-            closes.append(self._close("draft"))
+        """Free both sessions and unpin this request from its replicas."""
+        closes = [
+            self._close("target", self.target_rep, self.target_open),
+            self._close("draft", self.draft_rep, self.draft_open),
+        ]
+        for replica in (self.target_rep, self.draft_rep):
+            if replica is not None:
+                replica.pinned -= 1
+        self.target_rep = self.draft_rep = None
         self.target_open = self.draft_open = False
         await asyncio.gather(*closes)
 

@@ -20,6 +20,7 @@ import time
 import grpc
 
 from specdec.config import ConfigError, load_config
+from specdec.errors import SpecdecError
 
 log = logging.getLogger("specdec")
 ROLES = ("draft", "target", "orchestrator")
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
+    except (RuntimeError, SpecdecError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -77,8 +77,12 @@ class OrchestratorConfig:
     host: str = "127.0.0.1"
     port: int = 50050
     metrics_port: int = 9100
+    # One replica ("host:port"), a list ("h1:p1,h2:p2"), or every address a
+    # name resolves to ("dns:///specdec-target-headless:50052"), re-resolved
+    # every resolve_interval_s. Sessions are pinned to one replica of each.
     draft_address: str = "127.0.0.1:50051"
     target_address: str = "127.0.0.1:50052"
+    resolve_interval_s: float = 10.0
     # Default tokens drafted per step, and the largest a request may ask for.
     gamma: int = 4
     max_gamma: int = 16
@@ -130,6 +134,7 @@ class Config:
 
 
 _POSITIVE = {
+    "resolve_interval_s",
     "max_sessions",
     "max_context",
     "max_gamma",

@@ -1,0 +1,148 @@
+"""The replicas of a model service, and which one a session is pinned to.
+
+A session's KV cache lives in one draft replica and one target replica, so a
+request is pinned to one of each for its whole life. The configured address
+names the replicas:
+
+* ``host:port``: one replica (gRPC resolves the name itself);
+* ``h1:p1,h2:p2``: a static list;
+* ``dns:///name:port``: every address the name resolves to, re-resolved
+  every ``resolve_interval_s``: a Kubernetes headless Service gives one
+  address per ready pod.
+
+New sessions go to the least-loaded replica (fewest pinned requests) whose
+breaker allows it. A replica that disappears from DNS takes no new sessions;
+requests pinned to it move to another replica by re-prefilling from their
+token history (see ``engine.Generation``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from specdec.config import TlsConfig
+from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
+from specdec.server import open_channel
+from specdec.v1 import common_pb2
+
+from .breaker import CircuitBreaker
+
+log = logging.getLogger(__name__)
+DNS_PREFIX = "dns:///"
+
+
+def resolve(spec: str) -> list[str]:
+    """The replica addresses a configured address names, in a stable order."""
+    if spec.startswith(DNS_PREFIX):
+        host, _, port = spec[len(DNS_PREFIX) :].rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            return []
+        ips = sorted({info[4][0] for info in infos})
+        return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any
+    breaker: CircuitBreaker
+    info: common_pb2.ModelInfo | None = None
+    pinned: int = 0  # requests whose session lives here
+    gone: bool = False  # vanished from DNS: no new sessions
+    rejected: str = ""  # why its Info made it unfit to pair with the others
+
+    def usable(self) -> bool:
+        return self.info is not None and not self.gone and self.breaker.allow()
+
+
+@dataclass
+class ReplicaPool:
+    """The replicas of one role ("draft" or "target")."""
+
+    role: str
+    spec: str
+    make_stub: Callable[[grpc.aio.Channel], Any]
+    tls: TlsConfig
+    max_message_bytes: int
+    retry_after_s: float
+    retry_max_s: float
+    check: Callable[[common_pb2.ModelInfo], None] = lambda info: None
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def _add(self, address: str) -> Replica:
+        channel = open_channel(address, self.tls, self.max_message_bytes)
+        replica = Replica(
+            address,
+            channel,
+            self.make_stub(channel),
+            CircuitBreaker(self.retry_after_s, self.retry_max_s),
+        )
+        self.replicas[address] = replica
+        return replica
+
+    async def refresh(self) -> None:
+        """Re-resolve; new replicas are checked (Info) before they get sessions."""
+        current = set(resolve(self.spec))
+        for address, replica in list(self.replicas.items()):
+            replica.gone = address not in current
+            if replica.gone and replica.pinned == 0:
+                await replica.channel.close()
+                del self.replicas[address]
+        for address in current:
+            replica = self.replicas.get(address) or self._add(address)
+            if replica.info is None:
+                await self._fetch_info(replica)
+
+    async def _fetch_info(self, replica: Replica) -> None:
+        try:
+            info = await replica.stub.Info(common_pb2.InfoRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return
+        try:
+            self.check(info)
+        except SpecdecError as e:
+            if not replica.rejected:
+                log.error("%s replica %s not used: %s", self.role, replica.address, e)
+            replica.rejected = str(e)
+            return
+        replica.info = info
+
+    async def wait_ready(self, timeout_s: float) -> common_pb2.ModelInfo:
+        """Resolve until at least one replica answers Info; returns its info."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh()
+            ready = [r.info for r in self.replicas.values() if r.info is not None]
+            if ready:
+                return ready[0]
+            rejected = [r.rejected for r in self.replicas.values() if r.rejected]
+            if rejected:
+                raise FailedPrecondition(rejected[0])
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{self.role} service at {self.spec} did not answer")
+            await asyncio.sleep(0.2)
+
+    def pick(self, exclude: Replica | None = None) -> Replica | None:
+        """The least-loaded usable replica (other than ``exclude`` if possible)."""
+        usable = [r for r in self.replicas.values() if r.usable() and r is not exclude]
+        return min(usable, key=lambda r: (r.pinned, r.address)) if usable else None
+
+    def any_usable(self) -> bool:
+        return any(r.usable() for r in self.replicas.values())
+
+    async def aclose(self) -> None:
+        for replica in self.replicas.values():
+            await replica.channel.close()
+        self.replicas.clear()
