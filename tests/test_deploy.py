@@ -297,7 +297,8 @@ def test_config_loads_and_matches_manifests(objs, overlay):
         assert ports.get("metrics") == section.metrics_port, f"{comp}: metrics port"
     services = {s["metadata"]["name"]: s for s in _of(objs, "Service")}
     for key, comp in (("draft_address", "draft"), ("target_address", "target")):
-        host, port = getattr(cfg.orchestrator, key).rsplit(":", 1)
+        address = getattr(cfg.orchestrator, key).removeprefix("dns:///")
+        host, port = address.rsplit(":", 1)
         name = host.split(".")[0]
         assert name in services, f"orchestrator.{key}: no Service {name}"
         assert int(port) in [p["port"] for p in services[name]["spec"]["ports"]], key
