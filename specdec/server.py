@@ -30,10 +30,6 @@ from specdec.errors import SpecdecError
 log = logging.getLogger(__name__)
 
 
-def _code_name(code: grpc.StatusCode) -> str:
-    return code.name
-
-
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps SpecdecError to its status, anything else to INTERNAL; times every RPC.
 
@@ -75,30 +71,31 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _observe(self, method: str, start: float, code: grpc.StatusCode) -> None:
         metrics.RPC_DURATION.labels(self.service, method).observe(time.perf_counter() - start)
-        metrics.RPC_HANDLED.labels(self.service, method, _code_name(code)).inc()
+        metrics.RPC_HANDLED.labels(self.service, method, code.name).inc()
+
+    def _status_of(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+        """The status an exception from a servicer maps to."""
+        if isinstance(e, SpecdecError):
+            return e.code, str(e)
+        if isinstance(e, grpc.aio.AioRpcError):  # a call to another service failed
+            return grpc.StatusCode.UNAVAILABLE, f"upstream: {e.code().name}: {e.details()}"
+        log.exception("%s/%s failed", self.service, method)
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
     def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
         async def wrapper(request, context):
-            start = time.perf_counter()
-            code = grpc.StatusCode.OK
+            start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
                 return await behavior(request, context)
-            except SpecdecError as e:
-                code = e.code
-                await context.abort(e.code, str(e))
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
+            except grpc.aio.AbortError:
+                code = grpc.StatusCode.UNKNOWN
+                raise
             except Exception as e:
-                code = context.code() or grpc.StatusCode.INTERNAL
-                if isinstance(code, int) or code == grpc.StatusCode.OK:
-                    code = grpc.StatusCode.INTERNAL
-                if _is_abort(e):
-                    raise
-                log.exception("%s/%s failed", self.service, method)
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-                )
+                code, message = self._status_of(e, method)
+                await context.abort(code, message)
             finally:
                 self._observe(method, start, code)
 
@@ -106,37 +103,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
         async def wrapper(request, context):
-            start = time.perf_counter()
-            code = grpc.StatusCode.OK
+            start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
                 async for item in behavior(request, context):
                     yield item
-            except SpecdecError as e:
-                code = e.code
-                await context.abort(e.code, str(e))
             except (asyncio.CancelledError, GeneratorExit):
                 code = grpc.StatusCode.CANCELLED
                 raise
+            except grpc.aio.AbortError:
+                code = grpc.StatusCode.UNKNOWN
+                raise
             except Exception as e:
-                if _is_abort(e):
-                    code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s/%s failed", self.service, method)
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-                )
+                code, message = self._status_of(e, method)
+                await context.abort(code, message)
             finally:
                 self._observe(method, start, code)
 
         return wrapper
-
-
-def _is_abort(e: BaseException) -> bool:
-    # context.abort raises an internal exception type; let it through untouched.
-    return type(e).__name__ in ("AbortError", "_AbortError", "InternalError") or isinstance(
-        e, grpc.RpcError
-    )
 
 
 def _abort_handler(handler, code: grpc.StatusCode, message: str):
