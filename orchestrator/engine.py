@@ -482,10 +482,12 @@ class Generation:
                 self.draft_failed(e)
 
     # ---- the loop --------------------------------------------------------------------
-    def draft_failed(self, e: BaseException) -> None:
-        reason = e.code().name.lower() if isinstance(e, grpc.aio.AioRpcError) else "timeout"
-        if isinstance(e, Unavailable):
-            reason = "incomplete"
+    def draft_failed(self, e: BaseException) -> str:
+        """Give up on the pinned draft replica for now; returns the reason (a metric label)."""
+        if isinstance(e, grpc.aio.AioRpcError):
+            reason = e.code().name.lower()
+        else:
+            reason = "incomplete" if isinstance(e, Unavailable) else "timeout"
         log.warning(
             "draft %s failed (%s): speculating again after back-off", self.draft_rep.address, reason
         )
@@ -495,9 +497,10 @@ class Generation:
         self.orch.spawn(self._close("draft", self.draft_rep, self.draft_open))
         self.draft_rep.pinned -= 1
         self.draft_rep, self.draft_open = None, False
+        return reason
 
-    async def step(self) -> tuple[list[int], int, int]:
-        """One speculation step; returns (new tokens, gamma used, accepted n)."""
+    async def step(self) -> list[int]:
+        """One speculation step; returns the tokens it emits."""
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.stats.generated
         gamma = max(0, min(self.spec.gamma, remaining - 1))
@@ -527,12 +530,7 @@ class Generation:
             await self.rollback()
             t_rollback = time.perf_counter() - tr
         self.record_step(used, n, t_propose, t_verify, t_rollback, time.perf_counter() - t0)
-        return new, used, n
-
-    def stats_reason(self, e: BaseException) -> str:
-        if isinstance(e, grpc.aio.AioRpcError):
-            return e.code().name.lower()
-        return "incomplete" if isinstance(e, Unavailable) else "timeout"
+        return new
 
     def fallback(self, gamma: int, reason: str) -> None:
         self.stats.fallback_steps += 1
@@ -562,8 +560,7 @@ class Generation:
                     log.warning("draft lost session %s: re-prefilling", self.sid)
                     self.draft_open = False
                     continue
-                self.draft_failed(e)
-                self.fallback(gamma, self.stats_reason(e))
+                self.fallback(gamma, self.draft_failed(e))
                 break
         return [], [], []
 
@@ -648,7 +645,7 @@ class Generation:
         try:
             await self.open_sessions()
             while self.stats.generated < self.spec.max_new_tokens:
-                new, _, _ = await self.step()
+                new = await self.step()
                 new = new[: self.spec.max_new_tokens - self.stats.generated]
                 if self.eos >= 0 and self.eos in new:
                     new = new[: new.index(self.eos)]
