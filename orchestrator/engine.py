@@ -507,7 +507,7 @@ class Generation:
         drafts, qs, q_draft = [], [], []
         t_propose = 0.0
         if gamma and self.draft_rep is None and not self.pin_draft():
-            self.fallback(gamma, "breaker_open")
+            self.fallback("breaker_open")
         elif gamma:
             tp = time.perf_counter()
             drafts, qs, q_draft = await self.try_propose(gamma)
@@ -532,7 +532,7 @@ class Generation:
         self.record_step(used, n, t_propose, t_verify, t_rollback, time.perf_counter() - t0)
         return new
 
-    def fallback(self, gamma: int, reason: str) -> None:
+    def fallback(self, reason: str) -> None:
         self.stats.fallback_steps += 1
         self.stats.fallback_reasons.add(reason)
         metrics.FALLBACK_STEPS.labels(reason).inc()
@@ -560,7 +560,7 @@ class Generation:
                     log.warning("draft lost session %s: re-prefilling", self.sid)
                     self.draft_open = False
                     continue
-                self.fallback(gamma, self.draft_failed(e))
+                self.fallback(self.draft_failed(e))
                 break
         return [], [], []
 
