@@ -402,18 +402,28 @@ class Generation:
 
     async def open_target(self) -> None:
         req = common_pb2.OpenSessionRequest(session_id=self.sid, tokens=self.history[:-1])
-        resp = await self.target_rep.stub.OpenSession(
-            req, timeout=self.timeout(self.o.target_timeout_s)
-        )
+        timeout = self.timeout(self.o.target_timeout_s)
+        try:
+            resp = await self.target_rep.stub.OpenSession(req, timeout=timeout)
+        except BaseException:
+            # The target may hold the session and only its answer was lost (deadline,
+            # dropped connection, cancellation): close it, or it keeps its KV cache
+            # until session_ttl_s and holds up the target's drain.
+            self.orch.spawn(self._close("target", self.target_rep, True))
+            raise
         self.count("target", req.ByteSize(), resp.ByteSize())
         self.target_open, self.target_len = True, resp.cache_len
         self.target_pending = self.history[-1:]
 
     async def open_draft(self) -> None:
         req = common_pb2.OpenSessionRequest(session_id=self.sid, tokens=self.history[:-1])
-        resp = await self.draft_rep.stub.OpenSession(
-            req, timeout=self.timeout(self.o.draft_timeout_s)
-        )
+        timeout = self.timeout(self.o.draft_timeout_s)
+        try:
+            resp = await self.draft_rep.stub.OpenSession(req, timeout=timeout)
+        except BaseException:
+            # As in open_target: the draft may hold the session although the answer was lost.
+            self.orch.spawn(self._close("draft", self.draft_rep, True))
+            raise
         self.count("draft", req.ByteSize(), resp.ByteSize())
         self.draft_open, self.draft_len = True, resp.cache_len
         self.draft_pending = self.history[-1:]

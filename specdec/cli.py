@@ -21,6 +21,7 @@ import grpc
 
 from specdec.config import ConfigError, load_config
 from specdec.errors import SpecdecError
+from specdec.server import channel_credentials
 
 log = logging.getLogger("specdec")
 ROLES = ("draft", "target", "orchestrator")
@@ -110,11 +111,20 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
 
 # ---- up -----------------------------------------------------------------------------
-def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -> None:
+def wait_healthy(
+    address: str,
+    timeout: float,
+    procs: list[subprocess.Popen],
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Poll the health service at ``address`` until SERVING (TLS with ``credentials``)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    channel = (
+        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    )
+    with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -145,16 +155,21 @@ def start_local(
     procs: list[subprocess.Popen] = []
     out = subprocess.DEVNULL if quiet else None
     try:
+        # All three start at once: the orchestrator waits for draft and target itself.
         for role in ("draft", "target", "orchestrator"):
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "specdec", "serve", role, *args], stdout=out, env=env
                 )
             )
-            if role == "target":
-                wait_healthy(f"{cfg.draft.host}:{cfg.draft.port}", 300, procs)
-                wait_healthy(f"{cfg.target.host}:{cfg.target.port}", 300, procs)
-        wait_healthy(f"{cfg.orchestrator.host}:{cfg.orchestrator.port}", 300, procs)
+        # Checked as the orchestrator sees the model services (its upstream TLS),
+        # and the API with the same CA (and client certificate) when it has TLS.
+        upstream = channel_credentials(cfg.orchestrator.upstream_tls)
+        for section in (cfg.draft, cfg.target):
+            wait_healthy(f"{section.host}:{section.port}", 300, procs, upstream)
+        api = upstream if cfg.orchestrator.tls.cert else None
+        o = cfg.orchestrator
+        wait_healthy(f"{o.host}:{o.port}", 300, procs, api)
     except BaseException:
         stop_local(procs)
         raise

@@ -10,6 +10,7 @@ Not for: business logic; servicers call one domain method per RPC.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import time
@@ -38,7 +39,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, service: str, auth_tokens: Iterable[str] = ()) -> None:
         self.service = service
-        self._tokens = {f"Bearer {t}" for t in auth_tokens}
+        self._tokens = [f"Bearer {t}".encode() for t in auth_tokens]
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -49,7 +50,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._tokens:
             md = dict(handler_call_details.invocation_metadata or ())
-            if md.get("authorization") not in self._tokens:
+            if not self._authorized(md.get("authorization", "")):
                 return _abort_handler(
                     handler,
                     grpc.StatusCode.UNAUTHENTICATED,
@@ -68,6 +69,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+    def _authorized(self, header: str | bytes) -> bool:
+        """Constant-time comparison with every accepted token (no early exit)."""
+        given = header.encode() if isinstance(header, str) else header
+        return sum(hmac.compare_digest(given, t) for t in self._tokens) > 0
 
     def _observe(self, method: str, start: float, code: grpc.StatusCode) -> None:
         metrics.RPC_DURATION.labels(self.service, method).observe(time.perf_counter() - start)

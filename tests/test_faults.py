@@ -2,7 +2,8 @@
 
 Each case asserts its promise (the request completes with output identical
 to the no-fault run, or ends with the documented status) and that no session
-leaks. The stacks here are private to each test: they get killed.
+leaks. The tests share one stack of their own (not the session's): each
+restarts whatever it killed.
 """
 
 from __future__ import annotations
@@ -82,15 +83,26 @@ def no_sessions(stack, roles=("draft", "target")) -> None:
         wait_until(lambda r=role: stack.live_sessions(r) == 0, what=f"{role} sessions to close")
 
 
-@pytest.fixture
-def fault_stack(tmp_path, llama_pair):
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory, llama_pair):
     with local_stack(
-        tmp_path,
+        tmp_path_factory.mktemp("faults"),
         *llama_pair,
         orchestrator__draft_retry_after_s=0.5,
         orchestrator__draft_retry_max_s=1.0,
     ) as stack:
         yield stack
+
+
+@pytest.fixture
+def fault_stack(shared_stack):
+    """The shared stack, whole and answering; whatever a test kills is restarted after it."""
+    stack = shared_stack
+    wait_until(lambda: run_to_end(greedy(stack, n=2)).error is None, what="the stack to answer")
+    yield stack
+    for role in stack.ROLES:
+        if stack.proc(role).poll() is not None:
+            stack.restart(role)
 
 
 def test_kill_draft_mid_generation_falls_back_exactly_and_resumes(fault_stack):
