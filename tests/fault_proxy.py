@@ -1,0 +1,248 @@
+"""A user-space TCP proxy that injects network faults between two services.
+
+The kernel of the test machines has no netem, so faults are made here: the
+proxy listens on a free loopback port, forwards every connection to one
+upstream address, and its mode can be switched at run time from the test's
+thread:
+
+- ``pass_through()``: bytes are forwarded as they arrive;
+- ``delay(seconds, direction)``: every chunk is held for a fixed time before
+  it is forwarded (added latency, order preserved; "up" = client to server,
+  "down" = server to client, "both");
+- ``stall()``: connections are accepted and read, but nothing is forwarded
+  (held, like a network partition that TCP rides out); the held bytes go on
+  when the mode changes back;
+- ``drop()``: every open connection is reset and new ones are reset as soon
+  as they are accepted (the peer sees a refused / reset connection).
+
+The proxy runs an asyncio loop on its own daemon thread.
+
+    with FaultProxy("127.0.0.1", 50051) as proxy:
+        address = proxy.address        # give this to the client
+        proxy.delay(0.5)
+        ...
+        proxy.pass_through()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+PASS, DELAY, STALL, DROP = "pass", "delay", "stall", "drop"
+DIRECTIONS = ("up", "down")
+
+
+class _Pipe:
+    """One direction of one connection: read -> hold as the mode says -> write."""
+
+    def __init__(self, proxy: FaultProxy, direction: str, reader, writer) -> None:
+        self.proxy = proxy
+        self.direction = direction
+        self.reader = reader
+        self.writer = writer
+        self.buffer: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.eof = False
+        self.wake = asyncio.Event()
+
+    async def read_loop(self) -> None:
+        try:
+            while True:
+                data = await self.reader.read(65536)
+                if not data:
+                    break
+                self.buffer.append((time.monotonic(), data))
+                self.wake.set()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.eof = True
+            self.wake.set()
+
+    async def _wait(self, timeout: float | None = None) -> None:
+        self.wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), timeout)
+
+    async def write_loop(self) -> None:
+        try:
+            while True:
+                if not self.buffer:
+                    if self.eof:
+                        if self.writer.can_write_eof():
+                            self.writer.write_eof()
+                        return
+                    await self._wait()
+                    continue
+                mode = self.proxy.mode
+                if mode == DROP or self.writer.is_closing():
+                    return
+                if mode == STALL:
+                    await self._wait()
+                    continue
+                arrived, data = self.buffer[0]
+                hold = self.proxy.delays[self.direction] if mode == DELAY else 0.0
+                left = arrived + hold - time.monotonic()
+                if left > 0:
+                    await self._wait(left)
+                    continue
+                self.buffer.popleft()
+                self.proxy.forwarded[self.direction] += len(data)
+                self.writer.write(data)
+                await self.writer.drain()
+        except (ConnectionError, OSError):
+            pass
+
+
+class _Connection:
+    def __init__(self, proxy: FaultProxy, client, upstream) -> None:
+        (c_reader, c_writer), (u_reader, u_writer) = client, upstream
+        self.writers = (c_writer, u_writer)
+        self.pipes = (
+            _Pipe(proxy, "up", c_reader, u_writer),
+            _Pipe(proxy, "down", u_reader, c_writer),
+        )
+
+    def wake(self) -> None:
+        for pipe in self.pipes:
+            pipe.wake.set()
+
+    def reset(self) -> None:
+        for w in self.writers:
+            _reset(w)
+
+    async def run(self) -> None:
+        tasks = [asyncio.ensure_future(p.read_loop()) for p in self.pipes]
+        tasks += [asyncio.ensure_future(p.write_loop()) for p in self.pipes]
+        try:
+            # Both directions finished writing (or one side went away).
+            await asyncio.gather(*tasks[2:])
+        finally:
+            for t in tasks:
+                t.cancel()
+            for w in self.writers:
+                with contextlib.suppress(Exception):
+                    w.close()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with RST (SO_LINGER 0), not a graceful FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+class FaultProxy:
+    """TCP proxy 127.0.0.1:<free port> -> ``host:port`` with switchable faults."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.mode = PASS
+        self.delays = {"up": 0.0, "down": 0.0}
+        self.accepted = 0
+        self.forwarded = {"up": 0, "down": 0}
+        self.port = 0
+        self._connections: set[_Connection] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> FaultProxy:
+        self._thread.start()
+        self._server = self._call(self._start())
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _start(self) -> asyncio.AbstractServer:
+        return await asyncio.start_server(self._handle, "127.0.0.1", 0)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def shutdown() -> None:
+            self._server.close()
+            for conn in list(self._connections):
+                conn.reset()
+
+        self._call(shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    def held_bytes(self) -> int:
+        """Bytes read but not yet forwarded (held by a delay or a stall)."""
+
+        async def count() -> int:
+            return sum(len(d) for c in self._connections for p in c.pipes for _, d in p.buffer)
+
+        return self._call(count())
+
+    # ---- modes (call from any thread) -----------------------------------------------
+    def pass_through(self) -> None:
+        self._set(PASS)
+
+    def delay(self, seconds: float, direction: str = "both") -> None:
+        """Hold every chunk ``seconds`` before forwarding it, in ``direction``."""
+        delays = {d: (seconds if direction in (d, "both") else 0.0) for d in DIRECTIONS}
+        self._set(DELAY, delays)
+
+    def stall(self) -> None:
+        self._set(STALL)
+
+    def drop(self) -> None:
+        self._set(DROP)
+
+    def _set(self, mode: str, delays: dict[str, float] | None = None) -> None:
+        async def apply() -> None:
+            if delays is not None:
+                self.delays = delays
+            self.mode = mode
+            for conn in list(self._connections):
+                if mode == DROP:
+                    conn.reset()
+                conn.wake()
+
+        self._call(apply())
+
+    # ---- internals -------------------------------------------------------------------
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _handle(self, reader, writer) -> None:
+        self.accepted += 1
+        if self.mode == DROP:
+            _reset(writer)
+            return
+        try:
+            upstream = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            _reset(writer)
+            return
+        conn = _Connection(self, (reader, writer), upstream)
+        self._connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self._connections.discard(conn)
