@@ -57,7 +57,7 @@ class DraftModel(ModelService):
     ) -> None:
         """Draft gamma tokens on the forward thread, handing each to ``emit`` at once."""
         self.truncate(session, request.cache_len)
-        generator = torch.Generator().manual_seed(request.seed)
+        generator = torch.Generator(self.runner.device).manual_seed(request.seed)
         kind = "prefill" if len(feed) > 1 else "propose"
         for index in range(request.gamma):
             token, q = self._draft_one(session, feed, params, generator, request.wire_top_k, kind)

@@ -95,10 +95,11 @@ class ModelRunner:
     def forward(
         self, session: KVSession, tokens: list[int], logits_to_keep: int = 1
     ) -> torch.Tensor:
-        """Feed ``tokens`` after the cached ones; returns logits [logits_to_keep, vocab] in float32.
+        """Feed ``tokens`` after the cached ones; returns logits [logits_to_keep, vocab].
 
         The last ``logits_to_keep`` rows predict the tokens after each of the
-        last fed positions. Logits come back on the CPU.
+        last fed positions. Logits stay on the model's device (the sampling math
+        runs there too; only sparse results cross to the CPU), in float32 or wider.
         """
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, t]
         out = self.model(
@@ -108,4 +109,4 @@ class ModelRunner:
         logits = out.logits[0, -logits_to_keep:]  # [logits_to_keep, vocab]
         if logits.dtype != torch.float64:
             logits = logits.float()
-        return logits.cpu()
+        return logits

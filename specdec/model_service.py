@@ -142,6 +142,8 @@ class ModelService:
     ) -> torch.Tensor:
         start = time.perf_counter()
         logits = self.runner.forward(session, tokens, logits_to_keep)
+        if logits.is_cuda:  # kernels run asynchronously: time the work, not the launch
+            torch.cuda.synchronize(logits.device)
         metrics.FORWARD_DURATION.labels(self.role, kind).observe(time.perf_counter() - start)
         metrics.TOKENS_PROCESSED.labels(self.role, kind).inc(len(tokens))
         return logits

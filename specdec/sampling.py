@@ -110,7 +110,7 @@ def draft_distribution(
     """
     vocab = logits.shape[-1]
     if params.greedy:
-        return logits.argmax(dim=-1, keepdim=True), torch.ones(1, dtype=torch.float32)
+        return logits.argmax(dim=-1, keepdim=True), torch.ones(1, device=logits.device)
     k = wire_top_k if wire_top_k > 0 else vocab
     if params.top_k > 0:
         k = min(k, params.top_k)
@@ -125,7 +125,8 @@ def draft_distribution(
 
 def sparse_to_dense(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
     """ids: [k], probs: [k] -> [vocab]."""
-    return torch.zeros(vocab, dtype=probs.dtype).index_put_((ids,), probs, accumulate=True)
+    dense = torch.zeros(vocab, dtype=probs.dtype, device=probs.device)
+    return dense.index_put_((ids,), probs, accumulate=True)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

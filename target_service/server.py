@@ -25,44 +25,49 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetModel(ModelService):
     """The target model's domain: sessions plus verification."""
 
-    def dense_q(self, draft_tokens: list[int], draft_q) -> torch.Tensor:
-        """The wire's q rows as a dense [gamma, vocab] tensor, validated."""
+    def dense_q(self, draft_tokens: list[int], draft_q, device: torch.device) -> torch.Tensor:
+        """The wire's q rows as a dense [gamma, vocab] tensor on ``device``, validated.
+
+        Checks run on the small wire values; only the dense result is built on
+        the device (no gamma x vocab host-to-device copy).
+        """
         vocab = self.vocab_size
-        q = torch.zeros(len(draft_q), vocab, dtype=torch.float32)
+        rows, cols, vals = [], [], []
         for i, (x, dist) in enumerate(zip(draft_tokens, draft_q, strict=True)):
             field = f"draft_q[{i}]"
-            probs = torch.tensor(dist.probs, dtype=torch.float32)
+            probs = list(dist.probs)
+            ids = list(dist.token_ids) if dist.token_ids else list(range(len(probs)))
             if dist.token_ids:
                 require(
-                    len(dist.token_ids) == len(dist.probs),
-                    field,
-                    "token_ids and probs must have equal lengths",
+                    len(ids) == len(probs), field, "token_ids and probs must have equal lengths"
                 )
-                ids = torch.tensor(dist.token_ids, dtype=torch.long)
                 require(
-                    bool(((ids >= 0) & (ids < vocab)).all()),
+                    all(0 <= t < vocab for t in ids),
                     field,
                     f"token id outside the vocabulary [0, {vocab})",
                 )
-                q[i].index_put_((ids,), probs, accumulate=True)
             else:
                 require(
-                    len(dist.probs) == vocab,
+                    len(probs) == vocab,
                     field,
-                    f"a dense q needs {vocab} probabilities, got {len(dist.probs)}",
+                    f"a dense q needs {vocab} probabilities, got {len(probs)}",
                 )
-                q[i] = probs
             require(
-                bool((q[i] >= 0).all()) and abs(float(q[i].sum()) - 1.0) < 1e-3,
+                min(probs, default=-1.0) >= 0 and abs(sum(probs) - 1.0) < 1e-3,
                 field,
                 "probabilities must be >= 0 and sum to 1",
             )
             require(
-                float(q[i, x]) > 0,
+                sum(p for t, p in zip(ids, probs, strict=True) if t == x) > 0,
                 field,
                 f"drafted token {x} has q = 0; it cannot have been drawn from q",
             )
-        return q
+            rows += [i] * len(ids)
+            cols += ids
+            vals += probs
+        q = torch.zeros(len(draft_q), vocab, dtype=torch.float32, device=device)
+        index = torch.tensor([rows, cols], dtype=torch.long, device=device)
+        return q.index_put_(tuple(index), torch.tensor(vals, device=device), accumulate=True)
 
     def _verify(
         self,
@@ -75,14 +80,20 @@ class TargetModel(ModelService):
         seed: int,
         keep_p: bool,
     ) -> VerifyResult:
-        q = self.dense_q(drafts, draft_q)  # [gamma, vocab]; validated before any change
+        # [gamma, vocab], validated before the cache changes
+        q = self.dense_q(drafts, draft_q, self.runner.device)
         self.truncate(session, cache_len)
         gamma = len(drafts)
         kind = "verify" if gamma else ("prefill" if len(pending) > 1 else "decode")
         logits = self.timed_forward(kind, session, pending + drafts, gamma + 1)  # [gamma+1, V]
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(logits.device).manual_seed(seed)
         return verify_draft(
-            logits, torch.tensor(drafts, dtype=torch.long), q, params, generator, keep_p
+            logits,
+            torch.tensor(drafts, dtype=torch.long, device=logits.device),
+            q,
+            params,
+            generator,
+            keep_p,
         )
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
