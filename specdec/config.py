@@ -87,7 +87,7 @@ class OrchestratorConfig:
     gamma: int = 4
     max_gamma: int = 16
     # Entries of each q put on the wire; 0 sends dense distributions.
-    wire_top_k: int = 32
+    wire_top_k: int = 256
     # Limits a request must respect.
     max_new_tokens: int = 1024
     max_prompt_tokens: int = 1536
