@@ -53,3 +53,25 @@ def test_greedy_dense_wire_and_explicit_rollback_agree(llama_stack, llama_pair):
     )
     assert sparse == dense
     assert s2.wire_bytes_per_token > s1.wire_bytes_per_token
+
+
+def test_target_as_its_own_draft_accepts_everything(tmp_path, llama_pair):
+    """With draft = target every draft must be accepted (greedy, and dense at
+    temperature 1 where q = p exactly). Exactness tests cannot see a draft fed
+    the wrong context (the target corrects it); this one can."""
+    from .stack import local_stack
+
+    _, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("same model twice")
+    with local_stack(tmp_path, target, target) as stack:
+        for gamma in (1, 3, 6):
+            for temperature, dense in ((0.0, False), (1.0, True)):
+                _, _, stats = stack.generate_raw(
+                    prompt=ids,
+                    max_new_tokens=30,
+                    temperature=temperature,
+                    gamma=gamma,
+                    dense=dense,
+                    seed=gamma,
+                )
+                assert stats.acceptance_rate == 1.0, (gamma, temperature, stats)
