@@ -1,0 +1,152 @@
+"""What the benchmark scripts share: the prompt set, machine information and
+Prometheus scraping. No measurement logic lives here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from urllib.request import urlopen
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFT = REPO / "models" / "demo" / "draft"
+DEFAULT_TARGET = REPO / "models" / "demo" / "target"
+
+# Held-out style prompts: written for this benchmark in the manner of the demo
+# pair's corpus (early 19th-century English prose), not copied from it.
+PROMPTS = (
+    "It was a fine morning in the early spring, and Miss Bennet had walked out",
+    '"I cannot think," said Mrs. Dashwood, "why you should',
+    "Sir Thomas returned from Antigua much sooner than any of the family",
+    "The ball at Netherfield was talked of for a whole week before",
+    "Anne had not seen Captain Wentworth for eight years, and",
+    "Emma walked to the window and watched the carriage",
+    "My dear Fanny, you must not suppose that",
+    "There was nothing in the letter to alarm her, and yet",
+    "Catherine had never read a novel so delightful as",
+    "The Miss Steeles were invited to spend the evening at the Park, and",
+)
+
+
+def load_prompts(path: str | None) -> list[str]:
+    """Prompts from a file (a JSON list of strings, or one prompt per line), or the built-ins."""
+    if not path:
+        return list(PROMPTS)
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        prompts = [str(p) for p in json.loads(text)]
+    else:
+        prompts = [line.rstrip("\n") for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{path}: no prompts")
+    return prompts
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info(device: str) -> dict:
+    import google.protobuf
+    import grpc
+    import torch
+    import transformers
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "grpc": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+        "device": device,
+        "git_commit": git_commit(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_summary(model, path: str) -> dict:
+    cfg = model.config
+    return {
+        "path": str(path),
+        "architecture": type(model).__name__,
+        "parameters": param_count(model),
+        "layers": getattr(cfg, "num_hidden_layers", None),
+        "hidden_size": getattr(cfg, "hidden_size", None),
+        "vocab_size": getattr(cfg, "vocab_size", None),
+    }
+
+
+# ---- Prometheus -----------------------------------------------------------------------
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def scrape(port: int) -> dict[Sample, float]:
+    """All samples of one /metrics endpoint: {(name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[Sample, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def delta(after: dict[Sample, float], before: dict[Sample, float]) -> dict[Sample, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def add_into(total: dict[Sample, float], d: dict[Sample, float]) -> None:
+    for k, v in d.items():
+        total[k] = total.get(k, 0.0) + v
+
+
+def pick(samples: dict[Sample, float], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for (n, lab), v in samples.items():
+        if n == name and all(dict(lab).get(k) == val for k, val in labels.items()):
+            total += v
+    return total
