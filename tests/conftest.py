@@ -7,6 +7,8 @@ import pytest
 from .stack import local_stack
 from .tiny import build_pair
 
+WIRE_TOP_K = 16
+
 
 @pytest.fixture(scope="session")
 def llama_pair(tmp_path_factory):
@@ -21,7 +23,10 @@ def gpt2_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_stack(tmp_path_factory, llama_pair):
     draft, target = llama_pair
-    with local_stack(tmp_path_factory.mktemp("llama-stack"), draft, target) as stack:
+    # q truncated to 16 of the 73 tokens, so the tests exercise a truncated proposal.
+    with local_stack(
+        tmp_path_factory.mktemp("llama-stack"), draft, target, orchestrator__wire_top_k=WIRE_TOP_K
+    ) as stack:
         yield stack
 
 

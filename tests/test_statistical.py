@@ -29,19 +29,19 @@ from specdec.sampling import (
     sparse_to_dense,
 )
 
+from .conftest import WIRE_TOP_K
 from .stack import local_stack
 from .stats import tv, tv_threshold
 
 N = 1500
 PROMPT = [3, 7, 1, 4, 0, 12]  # token ids; fixed
-WIRE_TOP_K = 32  # the config default
 BROKEN_SITE = """
 import specdec.sampling as s
 s.residual_distribution = lambda p, q: p  # BROKEN: resample from p on rejection
 """
 
 
-def exact(pair, params: SamplingParams):
+def exact(pair, params: SamplingParams, wire_top_k: int):
     """(p1 [V], p2 marginal [V], P(n) [3]) computed directly from the models."""
     draft_dir, target_dir = pair
     target, draft = load_model(str(target_dir)), load_model(str(draft_dir))
@@ -54,7 +54,7 @@ def exact(pair, params: SamplingParams):
     p2 = probs_from_logits(tl[:, -1], params).double()  # [V, V] row = x1
 
     def q_of(logits):
-        ids, probs = draft_distribution(logits, params, WIRE_TOP_K)
+        ids, probs = draft_distribution(logits, params, wire_top_k)
         return sparse_to_dense(ids, probs.double(), vocab)
 
     q1 = q_of(dl[0, -2])
@@ -87,7 +87,8 @@ def sample(stack, params: SamplingParams):
 
 
 def check(stack, pair, params):
-    p1, p2, n_dist = exact(pair, params)
+    # The theory uses the q the draft really sends: truncated to the stack's wire_top_k.
+    p1, p2, n_dist = exact(pair, params, stack.config["orchestrator"]["wire_top_k"])
     x1, x2, n = sample(stack, params)
     results = {
         "position 1": (tv(x1, p1), tv_threshold(p1, N)),
@@ -118,7 +119,9 @@ def test_broken_sampler_fails_the_same_test(tmp_path, llama_pair):
         os.environ,
         PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
     )
-    with local_stack(tmp_path / "stack", *llama_pair, env=env) as broken:
+    with local_stack(
+        tmp_path / "stack", *llama_pair, env=env, orchestrator__wire_top_k=WIRE_TOP_K
+    ) as broken:
         results = check(broken, llama_pair, SamplingParams(1.0))
     failed = [k for k, (d, t) in results.items() if d >= t]
     assert failed, f"the broken sampler passed: {results}"
