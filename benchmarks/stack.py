@@ -13,9 +13,8 @@ from pathlib import Path
 
 import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.cli import stop_local
+from specdec.cli import stop_local, wait_healthy
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 from .common import REPO
@@ -74,23 +73,6 @@ def _spawn(role: str, config: Path, sets: dict, log: Path) -> subprocess.Popen:
         args += ["--set", f"{k}={v}"]
     out = open(log, "ab")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"a service exited during start-up (logs: {address})")
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"{address} did not become healthy within {timeout:.0f}s")
 
 
 def start_services(
