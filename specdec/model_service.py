@@ -25,6 +25,8 @@ from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2
 
 MAX_SESSION_ID_LEN = 128
+# Most tokens one Propose drafts or one Verify checks (both services share the bound).
+MAX_GAMMA = 64
 
 
 class ModelService:

@@ -14,12 +14,11 @@ import torch
 from specdec.config import ModelServiceConfig
 from specdec.errors import require
 from specdec.model import KVSession
-from specdec.model_service import ModelService, SessionServicerMixin, params_from_pb
+from specdec.model_service import MAX_GAMMA, ModelService, SessionServicerMixin, params_from_pb
 from specdec.sampling import SamplingParams, VerifyResult, verify_draft
 from specdec.server import RunningServer, start_server
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
-MAX_GAMMA = 64
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
