@@ -28,7 +28,13 @@ import torch
 import specdec
 from specdec import metrics
 from specdec.config import Config
-from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable, require
+from specdec.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    require,
+)
 from specdec.model import load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import SamplingParams, accepted_count, step_tokens
 from specdec.v1 import (
@@ -235,6 +241,8 @@ class Orchestrator:
             require(r.text != "", "text", "must not be empty")
             prompt = self.tokenizer.encode(r.text)
             require(len(prompt) > 0, "text", "encodes to no tokens")
+        elif kind == "messages":
+            prompt = self.chat_prompt(r.messages.messages)
         else:
             prompt = list(r.token_ids.ids)
             require(len(prompt) > 0, "token_ids", "must hold at least one token")
@@ -297,6 +305,28 @@ class Orchestrator:
             seed=r.seed if r.HasField("seed") else secrets.randbits(63),
             dense=r.dense,
         )
+
+    def chat_prompt(self, messages) -> list[int]:
+        """Token ids of a conversation, rendered by the tokenizer's chat template."""
+        require(len(messages) > 0, "messages", "must hold at least one message")
+        for i, m in enumerate(messages):
+            require(m.role != "", f"messages[{i}].role", "must not be empty")
+        require(
+            bool(getattr(self.tokenizer, "chat_template", None)),
+            "messages",
+            "the target's tokenizer has no chat template; send the prompt as text instead",
+        )
+        turns = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as e:  # the template itself refuses (e.g. roles out of order)
+            raise InvalidArgument("messages", f"the chat template refused them: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        require(len(ids) > 0, "messages", "render to no tokens")
+        return list(ids)
 
     async def generate(
         self, r: orchestrator_pb2.GenerateRequest, deadline: float | None = None
