@@ -82,7 +82,7 @@ def machine_info(device: str) -> dict:
     import transformers
 
     info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),

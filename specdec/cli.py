@@ -21,7 +21,7 @@ import grpc
 
 from specdec.config import ConfigError, load_config
 from specdec.errors import SpecdecError
-from specdec.server import channel_credentials
+from specdec.transport.channels import channel_credentials
 
 log = logging.getLogger("specdec")
 ROLES = ("draft", "target", "orchestrator")
@@ -85,20 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- serve --------------------------------------------------------------------------
 async def _serve(role: str, config_path: str | None, overrides: list[str]) -> None:
     from specdec import metrics
-    from specdec.server import serve_until_signal
+    from specdec.transport.server import serve_until_signal
 
     cfg = load_config(config_path, overrides)
     section = getattr(cfg, role)
     if role == "draft":
-        from draft_service.server import serve
+        from draft_service.servicer import serve
 
         running, domain = await serve(cfg.draft)
     elif role == "target":
-        from target_service.server import serve
+        from target_service.servicer import serve
 
         running, domain = await serve(cfg.target)
     else:
-        from orchestrator.server import serve
+        from orchestrator.servicer import serve
 
         running, domain = await serve(cfg)
     metrics.serve_metrics(role, section.metrics_port, section.host)

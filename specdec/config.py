@@ -67,6 +67,9 @@ class ModelServiceConfig:
     grace_period_s: float = 10.0
     # Threads torch may use on the CPU; 0 keeps torch's default.
     torch_threads: int = 0
+    # Most tokens one forward pass takes across all sessions (continuous
+    # batching); longer prefills are cut into chunks of the budget that is left.
+    max_batch_tokens: int = 512
     tls: TlsConfig = field(default_factory=TlsConfig)
 
 
@@ -86,8 +89,11 @@ class OrchestratorConfig:
     # Default tokens drafted per step, and the largest a request may ask for.
     gamma: int = 4
     max_gamma: int = 16
-    # Entries of each q put on the wire; 0 sends dense distributions.
+    # Most tokens each q lists on the wire (0 = no limit), and the mass it may
+    # leave to its tail (spread evenly over every other token). The draft samples
+    # from exactly what it sends: these cost acceptance, never exactness.
     wire_top_k: int = 256
+    wire_eps: float = 0.0
     # Limits a request must respect.
     max_new_tokens: int = 1024
     max_prompt_tokens: int = 1536
@@ -145,6 +151,7 @@ _POSITIVE = {
     "draft_timeout_s",
     "target_timeout_s",
     "max_message_bytes",
+    "max_batch_tokens",
 }
 _NON_NEGATIVE = {
     "port",
@@ -238,6 +245,8 @@ def _validate(cfg: Config) -> None:
         if not sub.model:
             raise ConfigError(f"{section}.model: required (a local model directory)")
     orch = cfg.orchestrator
+    if not 0.0 <= orch.wire_eps < 0.5:
+        raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")
     if orch.gamma > orch.max_gamma:
         raise ConfigError(
             f"orchestrator.gamma: must be <= orchestrator.max_gamma ({orch.max_gamma}), "

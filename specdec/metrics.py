@@ -150,6 +150,27 @@ ROLLED_BACK_TOKENS = Counter(
     ["role"],
     registry=None,
 )
+BATCH_SESSIONS = Histogram(
+    "specdec_model_batch_sessions",
+    "Sessions sharing one forward pass.",
+    ["role"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256),
+    registry=None,
+)
+BATCH_TOKENS = Histogram(
+    "specdec_model_batch_tokens",
+    "Tokens fed through one forward pass, all sessions together.",
+    ["role"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+    registry=None,
+)
+QUEUE_WAIT = Histogram(
+    "specdec_model_queue_wait_seconds",
+    "Time a piece of work waited for its first forward pass.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
+    registry=None,
+)
 SESSION_EVICTIONS = Counter(
     "specdec_model_session_evictions_total",
     "Sessions freed without a close: ttl (idle too long).",
@@ -211,6 +232,9 @@ _MODEL_METRICS = (
     ROLLBACKS,
     ROLLED_BACK_TOKENS,
     SESSION_EVICTIONS,
+    BATCH_SESSIONS,
+    BATCH_TOKENS,
+    QUEUE_WAIT,
 )
 _SERVER_METRICS = (RPC_DURATION, RPC_HANDLED, BUILD_INFO)
 

@@ -1,4 +1,4 @@
-"""gRPC server plumbing shared by the three services.
+"""gRPC server plumbing shared by every service.
 
 A server gets: the standard health service (``grpc.health.v1``), reflection,
 one interceptor that maps domain exceptions to status codes and times every
@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha import reflection
 from specdec import metrics
 from specdec.config import TlsConfig
 from specdec.errors import SpecdecError
+
+from .status import code_of
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
     def _authorized(self, header: str | bytes) -> bool:
@@ -82,7 +90,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _status_of(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
         """The status an exception from a servicer maps to."""
         if isinstance(e, SpecdecError):
-            return e.code, str(e)
+            return code_of(e), str(e)
         if isinstance(e, grpc.aio.AioRpcError):  # a call to another service failed
             return grpc.StatusCode.UNAVAILABLE, f"upstream: {e.code().name}: {e.details()}"
         log.exception("%s/%s failed", self.service, method)
@@ -136,6 +144,12 @@ def _abort_handler(handler, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(
+            deny_stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
             deny_stream,
@@ -159,33 +173,6 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
-
-
-def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
-    """TLS for a client; cert/key are presented for mutual TLS."""
-    if not tls.enabled:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(tls.ca).read_bytes() if tls.ca else None,
-        private_key=Path(tls.key).read_bytes() if tls.key else None,
-        certificate_chain=Path(tls.cert).read_bytes() if tls.cert else None,
-    )
-
-
-def open_channel(address: str, tls: TlsConfig, max_message_bytes: int) -> grpc.aio.Channel:
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.enable_retries", 0),
-        # Reconnect quickly to a restarted service (gRPC's default backs off to 120 s).
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
-    creds = channel_credentials(tls)
-    if creds is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 @dataclass
