@@ -285,7 +285,7 @@ def markdown(r: dict) -> str:
         "",
         "## Added network round-trip time",
         "",
-        "Draft and target reached through `benchmarks.delay_proxy` (half the RTT each way, per "
+        "Draft and target reached through `specdec.local.proxy` (half the RTT each way, per "
         "chunk) by a second orchestrator; plain = gamma 0 through the same proxies. "
         f"{len(s['prompts'][: s['rtt_prompts']])} prompts, median of {s['rtt_repeats']}. "
         "Info call = measured latency of one small RPC through the proxy.",

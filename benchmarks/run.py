@@ -16,7 +16,7 @@ slow spell of the machine hits all of them alike). In order:
    plain target decoding (gamma = 0) and gamma 1..8, with the per-step time
    breakdown from the /metrics deltas; dense vs sparse wire bytes;
 4. a second orchestrator reaching draft and target through
-   ``benchmarks.delay_proxy``: speedup versus added round-trip time;
+   ``specdec.local.proxy``: speedup versus added round-trip time;
 5. throughput versus number of concurrent clients.
 
 Writes results.json, results.md and PNG plots into the output folder and
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.local.proxy import ProxyGroup
 from specdec.sampling import expected_speedup, expected_tokens_per_step
 
 from . import analyze as analyze_mod
@@ -46,15 +47,16 @@ from .common import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     REPO,
+    Client,
     add_into,
     delta,
+    info_rtt_ms,
     load_prompts,
     machine_info,
     pick,
     scrape,
+    start_services,
 )
-from .delay_proxy import DelayProxies
-from .stack import Client, info_rtt_ms, start_services
 
 TEMPERATURES = (0.0, 1.0)
 
@@ -376,7 +378,7 @@ def dense_sweep(services, plan: Plan) -> dict:
 
 def rtt_sweep(services, plan: Plan, gammas: dict[float, int]) -> dict:
     """Added RTT between the orchestrator and both services, via delay proxies."""
-    proxies = DelayProxies()
+    proxies = ProxyGroup()
     try:
         d_addr = proxies.add(services.address("draft"))
         t_addr = proxies.add(services.address("target"))

@@ -12,8 +12,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -21,7 +19,7 @@ import grpc
 
 from specdec.config import ConfigError, load_config
 from specdec.errors import SpecdecError
-from specdec.transport.channels import channel_credentials
+from specdec.local.stack import start_local, stop_local
 
 log = logging.getLogger("specdec")
 ROLES = ("draft", "target", "orchestrator")
@@ -111,82 +109,6 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
 
 # ---- up -----------------------------------------------------------------------------
-def wait_healthy(
-    address: str,
-    timeout: float,
-    procs: list[subprocess.Popen],
-    credentials: grpc.ChannelCredentials | None = None,
-) -> None:
-    """Poll the health service at ``address`` until SERVING (TLS with ``credentials``)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    channel = (
-        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
-    )
-    with channel as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a service exited during start-up (see its output above)")
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"{address} did not become healthy within {timeout:.0f}s")
-
-
-def start_local(
-    config_path: str | None,
-    overrides: list[str],
-    quiet: bool = False,
-    env: dict[str, str] | None = None,
-) -> list[subprocess.Popen]:
-    """Start the three services as child processes; returns them once all are healthy."""
-    cfg = load_config(config_path, overrides)
-    args = []
-    if config_path:
-        args += ["--config", config_path]
-    for o in overrides:
-        args += ["--set", o]
-    procs: list[subprocess.Popen] = []
-    out = subprocess.DEVNULL if quiet else None
-    try:
-        # All three start at once: the orchestrator waits for draft and target itself.
-        for role in ("draft", "target", "orchestrator"):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "specdec", "serve", role, *args], stdout=out, env=env
-                )
-            )
-        # Checked as the orchestrator sees the model services (its upstream TLS),
-        # and the API with the same CA (and client certificate) when it has TLS.
-        upstream = channel_credentials(cfg.orchestrator.upstream_tls)
-        for section in (cfg.draft, cfg.target):
-            wait_healthy(f"{section.host}:{section.port}", 300, procs, upstream)
-        api = upstream if cfg.orchestrator.tls.cert else None
-        o = cfg.orchestrator
-        wait_healthy(f"{o.host}:{o.port}", 300, procs, api)
-    except BaseException:
-        stop_local(procs)
-        raise
-    return procs
-
-
-def stop_local(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def _up(config_path: str | None, overrides: list[str]) -> None:
     procs = start_local(config_path, overrides)
     cfg = load_config(config_path, overrides)

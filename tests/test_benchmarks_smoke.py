@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.delay_proxy import DelayProxies
+from specdec.local.proxy import ProxyGroup
 
 REPO = Path(__file__).resolve().parent.parent
 PLOTS = (
@@ -145,7 +145,7 @@ def _echo_server() -> tuple[socket.socket, int]:
 
 def test_delay_proxy_forwards_and_delays():
     srv, port = _echo_server()
-    proxies = DelayProxies()
+    proxies = ProxyGroup()
     try:
         host, pport = proxies.add(f"127.0.0.1:{port}").rsplit(":", 1)
         payload = bytes(range(256)) * 1000

@@ -119,3 +119,31 @@ class LocalTarget:
 
     async def aclose(self) -> None:
         pass
+
+
+def local_pools(
+    drafter: Drafter | None,
+    verifier: Verifier,
+    retry_after_s: float = 1.0,
+    retry_max_s: float = 30.0,
+):
+    """(target pool, draft pool) of in-process services, for ``Orchestrator``."""
+    from ..replicas import ReplicaPool, fixed
+
+    target = ReplicaPool(
+        "target",
+        "in-process",
+        lambda _: LocalTarget(verifier),
+        retry_after_s,
+        retry_max_s,
+        resolver=fixed("in-process"),
+    )
+    draft = ReplicaPool(
+        "draft",
+        "in-process",
+        lambda _: LocalDraft(drafter),
+        retry_after_s,
+        retry_max_s,
+        resolver=fixed("in-process") if drafter is not None else (lambda spec: []),
+    )
+    return target, draft
