@@ -9,6 +9,8 @@ Not for: gRPC (``draft_service.servicer``).
 
 from __future__ import annotations
 
+import time
+
 from specdec.errors import require
 from specdec.model_service import MAX_GAMMA, ModelService
 from specdec.rng import generator
@@ -37,9 +39,11 @@ class Drafter(ModelService):
         require(1 <= gamma <= MAX_GAMMA, "gamma", f"must be in [1, {MAX_GAMMA}], got {gamma}")
         feed = self.check_tokens("append_tokens", append, min_len=1)
         self.check_room("gamma", cache_len + len(feed) + gamma)
+        start = time.perf_counter()
         self.roll_back_to(session, cache_len)
         proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
         self.sessions.update_gauges()
+        proposal.compute_s = time.perf_counter() - start
         return proposal
 
     def _draft(self, session: Session, feed: list[int], gamma: int, seed: int) -> Job:

@@ -39,7 +39,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             )
             return draft_pb2.DraftReply(
                 proposal=draft_pb2.Proposal(
-                    tokens=proposal.tokens, q=pack_q(proposal.qs), cache_len=proposal.cache_len
+                    tokens=proposal.tokens,
+                    q=pack_q(proposal.qs),
+                    cache_len=proposal.cache_len,
+                    compute_s=proposal.compute_s,
                 )
             )
         if kind == "rollback":

@@ -13,6 +13,7 @@ Not for: protobuf or status codes (``orchestrator.servicer`` is the edge).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -26,12 +27,14 @@ from specdec.config import Config
 from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from specdec.rng import generator, seeds
 from specdec.runtime.loading import ModelInfo, load_tokenizer, tokenizer_fingerprint
+from specdec.sampling import Proposal
 from specdec.wire import PROTOCOL_VERSION, WireShape
 
+from .adaptive import CostModel, RequestPolicy
 from .replicas import ReplicaPool
 from .requests import RequestSpec
 from .resilience import Budget, DraftLink, TargetLink
-from .step import settle
+from .step import ahead, settle
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,9 @@ class Stats:
     total_s: float = 0.0
     finish_reason: str = "length"
     gamma: int = 0
+    adaptive: bool = False
+    mean_gamma: float = 0.0
+    overlapped_steps: int = 0
     fallback_reasons: set = field(default_factory=set)
 
 
@@ -90,6 +96,7 @@ class Orchestrator:
         self.draft_pool = draft_pool
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
+        self.cost = CostModel(max_gamma=o.max_gamma)
         for stage in ("propose", "verify", "rollback", "orchestrator"):
             metrics.STAGE_DURATION.labels(stage)
         for peer in ("draft", "target"):
@@ -277,14 +284,17 @@ class Generation:
         self.history = list(spec.prompt)
         self.pushed = 0  # tokens handed to the text stream (sent or held back)
         self.rng = generator(spec.seed)
-        self.stats = Stats(prompt_tokens=len(spec.prompt), gamma=spec.gamma)
+        self.stats = Stats(prompt_tokens=len(spec.prompt), gamma=spec.gamma or 0)
+        self.policy = RequestPolicy(orch.cost, spec.gamma, spec.overlap)
+        self.ahead: Proposal | None = None  # the next draft, drafted during the last verify
+        self.gammas: collections.Counter = collections.Counter()
         self.text = TextStream(orch.tokenizer, spec.stops, spec.prompt)
         self.eos = set(orch.target_info.eos_token_ids)
         budget = Budget(deadline, o.draft_timeout_s, o.target_timeout_s)
         common = (self.sid, self.history, spec.params, budget, self, orch.spawn)
         self.target = TargetLink(orch.target_pool, *common, retry_s=o.target_retry_s)
         self.draft: DraftLink | None = None
-        if spec.gamma > 0 and spec.max_new_tokens > 1:
+        if spec.max_gamma > 0 and spec.max_new_tokens > 1:
             wire_k = 0 if spec.dense else o.wire_top_k
             shape = WireShape(wire_k, 0.0 if spec.dense else o.wire_eps, 30 if spec.dense else 16)
             self.draft = DraftLink(orch.draft_pool, *common, shape=shape, on_fallback=self.fallback)
@@ -317,25 +327,66 @@ class Generation:
             await target
 
     async def step(self) -> list[int]:
-        """One speculation step; returns the tokens it emits."""
+        """One speculation step; returns the tokens it emits.
+
+        With overlap, the draft drafts the next block while the target verifies
+        this one, from ``ahead(cursor, drafts)``: as if every draft will be
+        accepted. If they all are, that block takes the bonus position (``settle``
+        with ``chain``); otherwise it is discarded and the draft rolls back in its
+        next call.
+        """
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
-        gamma = max(0, min(self.spec.gamma, remaining - 1))
-        draft_seed, target_seed = seeds(self.rng, 2)
-        proposal = None
-        if gamma and self.draft is not None:
-            proposal = await self.draft.propose(gamma, draft_seed)
-        t1 = time.perf_counter()
-        verdict = await self.target.verify(proposal, target_seed, self.spec.dense)
-        t2 = time.perf_counter()
+        draft_seed, ahead_seed, target_seed = seeds(self.rng, 3)
+        proposal, self.ahead = self.ahead, None
+        drafted_now = proposal is None
+        overlap = False
+        if proposal is None:
+            gamma, overlap = self.policy.choose(remaining - 1)
+            if gamma and self.draft is not None:
+                proposal = await self.draft.propose(gamma, draft_seed)
+        else:  # drafted during the last verify; keep drafting ahead if it pays
+            overlap = self.policy.choose(remaining - 1)[1]
         drafts = proposal.tokens if proposal is not None else []
+        t1 = time.perf_counter()
+        ahead_task = None
+        left = remaining - len(drafts)  # tokens still wanted if every draft is accepted
+        if overlap and drafts and left > 1 and self.draft is not None and self.draft.session:
+            next_gamma = self.policy.choose(left - 1)[0]
+            if next_gamma:
+                cursor = ahead(self.draft.cursor, drafts)
+                ahead_task = asyncio.ensure_future(
+                    self.draft.propose(next_gamma, ahead_seed, ahead=cursor)
+                )
+        try:
+            verdict = await self.target.verify(proposal, target_seed, self.spec.dense)
+        except BaseException:
+            if ahead_task is not None:
+                ahead_task.cancel()
+            raise
+        t2 = time.perf_counter()
         u = self.rng.random(len(drafts)).tolist()
+        chain, next_proposal = False, None
+        if ahead_task is not None:
+            next_proposal = await ahead_task
+            chain = next_proposal is not None and all(
+                u_i * q < p for u_i, p, q in zip(u, verdict.p_draft, verdict.q_draft, strict=True)
+            )
+            metrics.OVERLAPPED_STEPS.labels("used" if chain else "discarded").inc()
         outcome = settle(
-            self.target.cursor, self.draft.cursor if self.draft else None, drafts, verdict, u
+            self.target.cursor,
+            self.draft.cursor if self.draft else None,
+            drafts,
+            verdict,
+            u,
+            chain=chain,
         )
         self.target.cursor = outcome.target
         if self.draft is not None:
             self.draft.cursor = outcome.draft
+        if chain:
+            self.ahead = next_proposal
+            self.stats.overlapped_steps += 1
         self.history.extend(outcome.tokens)
         t3 = time.perf_counter()
         if self.o.explicit_rollback:
@@ -343,8 +394,20 @@ class Generation:
             if self.draft is not None:
                 await self.draft.rollback()
         t4 = time.perf_counter()
+        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1, ahead_task)
+        self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         return outcome.tokens
+
+    def observe(self, drafted, verdict, t_propose: float, t_verify: float, ahead_task) -> None:
+        """Feed the cost model with this step's measured times. ``drafted``: the
+        proposal drafted in this step (None when it was drafted during the last
+        verify, whose time overlapped)."""
+        cost = self.orch.cost
+        if drafted is not None:
+            cost.observe_draft(len(drafted.tokens), t_propose, drafted.compute_s)
+        gamma = len(verdict.p_draft)
+        cost.observe_verify(gamma, t_verify, verdict.compute_s, ahead_task is not None)
 
     def record_step(
         self, gamma: int, n: int, t_propose: float, t_verify: float, t_rb: float, total: float
@@ -352,6 +415,7 @@ class Generation:
         s = self.stats
         s.steps += 1
         s.drafted += gamma
+        self.gammas[gamma] += 1
         s.accepted += n
         metrics.STEPS.inc()
         metrics.STEP_GAMMA.observe(gamma)
@@ -406,6 +470,11 @@ class Generation:
                     break
             self.stats.finish_reason = finish
             self.stats.total_s = time.perf_counter() - self.start
+            self.stats.adaptive = self.spec.gamma is None
+            if self.stats.steps:
+                self.stats.mean_gamma = self.stats.drafted / self.stats.steps
+            if self.spec.gamma is None and self.gammas:
+                self.stats.gamma = self.gammas.most_common(1)[0][0]
             metrics.REQUEST_DURATION.observe(self.stats.total_s)
             yield self.stats
         finally:

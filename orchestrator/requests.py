@@ -25,10 +25,18 @@ class RequestSpec:
     prompt: list[int]
     max_new_tokens: int
     params: SamplingParams
-    gamma: int
+    gamma: int | None  # None: chosen at every step (adaptive)
     stops: list[str]
     seed: int  # 64 bits
     dense: bool
+    overlap: bool  # draft the next block while the target verifies
+
+    @property
+    def max_gamma(self) -> int:
+        """The most tokens a step of this request may draft."""
+        return self.gamma if self.gamma is not None else self.max_adaptive_gamma
+
+    max_adaptive_gamma: int = 0
 
 
 def chat_prompt(tokenizer, messages) -> list[int]:
@@ -87,8 +95,16 @@ def parse(
     if 0 < temperature < MIN_TEMPERATURE:
         temperature = 0.0  # a vanishing temperature is greedy decoding (and 1e-38 would overflow)
     params = check_params(temperature, r.top_k, r.top_p)
-    gamma = r.gamma if r.HasField("gamma") else o.gamma
-    require(0 <= gamma <= o.max_gamma, "gamma", f"must be in [0, {o.max_gamma}], got {gamma}")
+    gamma: int | None = r.gamma if r.HasField("gamma") else None
+    if gamma is None and (not o.adaptive_gamma or r.HasField("seed")):
+        # A seeded request must give the same output every time: the adaptive choice
+        # of gamma depends on measured timings, so it uses the configured gamma.
+        gamma = o.gamma
+    require(
+        gamma is None or 0 <= gamma <= o.max_gamma,
+        "gamma",
+        f"must be in [0, {o.max_gamma}], got {gamma}",
+    )
     require(
         len(r.stop) <= o.max_stop_sequences,
         "stop",
@@ -101,9 +117,10 @@ def parse(
             f"each stop string must have 1..{MAX_STOP_CHARS} characters",
         )
     room = min(target_max_context, target.max_context or 1 << 30)
-    if gamma and draft is not None:
+    most = o.max_gamma if gamma is None else gamma
+    if most and draft is not None:
         room = min(room, draft.max_context or room)
-    need = len(prompt) + r.max_new_tokens + gamma + 1
+    need = len(prompt) + r.max_new_tokens + most + 1
     require(
         need <= room,
         "max_new_tokens",
@@ -118,4 +135,6 @@ def parse(
         stops=list(r.stop),
         seed=r.seed if r.HasField("seed") else secrets.randbits(64),
         dense=r.dense,
+        overlap=r.overlap if r.HasField("overlap") else o.overlap,
+        max_adaptive_gamma=o.max_gamma,
     )

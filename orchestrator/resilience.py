@@ -133,8 +133,28 @@ class DraftLink(_Link):
         except SpecdecError as e:
             self._failed(e)
 
-    async def propose(self, gamma: int, seed: int) -> Proposal | None:
-        """A draft of gamma tokens from ``self.cursor``, or None (this step falls back)."""
+    async def propose(self, gamma: int, seed: int, ahead: Cursor | None = None) -> Proposal | None:
+        """A draft of gamma tokens from ``self.cursor``, or None (this step falls back).
+
+        ``ahead``: draft from this cursor instead (drafting on while the target
+        verifies, as if every pending draft will be accepted). Such a draft is only
+        worth having from the live session: nothing is re-opened for it, and a
+        failure does not count as a fallback step (the verdict's bonus serves).
+        """
+        if ahead is not None:
+            if self.session is None:
+                return None
+            try:
+                proposal = await self.session.propose(
+                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
+                )
+            except SpecdecError as e:
+                if self.budget.passed():
+                    return None
+                self._failed(e, fallback=False)
+                return None
+            self.replica.breaker.success()
+            return proposal
         if self.session is None:
             replica = self.replica if self.replica and self.replica.usable() else self.pool.pick()
             if replica is None:
@@ -164,7 +184,7 @@ class DraftLink(_Link):
                 return None
         return None
 
-    def _failed(self, e: SpecdecError) -> None:
+    def _failed(self, e: SpecdecError, fallback: bool = True) -> None:
         """Give up on the pinned replica for now: breaker, close, fall back."""
         reason = _reason(e)
         log.warning(
@@ -176,7 +196,8 @@ class DraftLink(_Link):
             self.replica.breaker.failure()
         self.drop_session()
         self.unpin()
-        self.on_fallback(reason)
+        if fallback:
+            self.on_fallback(reason)
 
     async def rollback(self) -> None:
         if self.session is None:

@@ -38,6 +38,9 @@ def stats_to_pb(s: Stats) -> orchestrator_pb2.GenerationStats:
         wire_bytes_per_token=s.wire_bytes / s.generated if s.generated else 0.0,
         round_trips=s.round_trips,
         fallback_steps=s.fallback_steps,
+        adaptive=s.adaptive,
+        mean_gamma=s.mean_gamma,
+        overlapped_steps=s.overlapped_steps,
     )
 
 

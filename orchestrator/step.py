@@ -30,7 +30,9 @@ class Cursor:
     """What a service's cache holds of the history, and what it has yet to see."""
 
     cache_len: int  # the cache holds history[:cache_len]
-    pending: tuple[int, ...]  # history[cache_len:], not fed yet (at least one token)
+    # history[cache_len:], not fed yet. Empty only for a target whose last pass
+    # ended at cache_len with every token accepted: it kept p for the next position.
+    pending: tuple[int, ...]
 
     @classmethod
     def fresh(cls, history: Sequence[int]) -> Cursor:
@@ -52,6 +54,13 @@ class StepOutcome:
     accepted: int  # n
     target: Cursor  # the target's cursor after the step
     draft: Cursor | None  # the draft's (None: it has no session)
+    chained: bool = False  # all accepted, and the next draft takes the bonus position
+
+
+def ahead(draft: Cursor, drafts: Sequence[int]) -> Cursor:
+    """The draft's cursor for drafting on past x_gamma, as if every draft will be
+    accepted: it has fed its pending tokens and x_1..x_{gamma-1}; x_gamma is next."""
+    return Cursor(draft.end + len(drafts) - 1, (drafts[-1],))
 
 
 def settle(
@@ -60,14 +69,24 @@ def settle(
     drafts: Sequence[int],
     verdict: Verdict,
     u: Sequence[float],
+    chain: bool = False,
 ) -> StepOutcome:
     """Accept or reject the drafts and move both cursors.
 
     target, draft: the cursors the proposal and the verdict were made from;
     drafts: x_1..x_gamma (empty for a plain decoding step); u: [gamma] uniforms.
+    ``chain``: a next proposal was drafted ahead (``ahead``) and may take the
+    bonus position: if every draft is accepted, no bonus token is emitted; the
+    next proposal's first token is tested at that position against the p the
+    target already computed (overlapped speculation, docs/exactness.md).
     """
     gamma = len(drafts)
     n = accepted_count(verdict.p_draft, verdict.q_draft, u)
+    if chain and gamma and n == gamma:
+        # The target fed every draft and kept p for the next position: nothing pending.
+        return StepOutcome(
+            list(drafts), gamma, n, Cursor(target.end + n, ()), ahead(draft, drafts), True
+        )
     emitted = step_tokens(list(drafts), n, verdict.residual_tokens, verdict.bonus_token)
     # The target fed its pending tokens and every draft; the first n drafts stay valid.
     new_target = Cursor(target.end + n, (emitted[-1],))

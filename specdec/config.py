@@ -86,9 +86,16 @@ class OrchestratorConfig:
     draft_address: str = "127.0.0.1:50051"
     target_address: str = "127.0.0.1:50052"
     resolve_interval_s: float = 10.0
-    # Default tokens drafted per step, and the largest a request may ask for.
+    # Requests that leave gamma unset: with adaptive_gamma, the orchestrator
+    # chooses gamma (and whether to draft ahead) at every step from its cost
+    # model; otherwise they use `gamma`. max_gamma bounds both and requests.
+    adaptive_gamma: bool = True
     gamma: int = 4
     max_gamma: int = 16
+    # Draft the next block while the target verifies this one (overlapped
+    # speculation), unless a request says otherwise. Adaptive requests use it
+    # only when the cost model expects it to pay.
+    overlap: bool = True
     # Most tokens each q lists on the wire (0 = no limit), and the mass it may
     # leave to its tail (spread evenly over every other token). The draft samples
     # from exactly what it sends: these cost acceptance, never exactness.

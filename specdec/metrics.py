@@ -117,6 +117,26 @@ FALLBACK_REQUESTS = Counter(
     ["reason"],
     registry=None,
 )
+CHOSEN_GAMMA = Histogram(
+    "specdec_adaptive_gamma",
+    "gamma the adaptive policy chose for a step (requests that leave gamma unset).",
+    buckets=tuple(range(0, MAX_POSITION_LABEL + 1)),
+    registry=None,
+)
+ESTIMATE = Gauge(
+    "specdec_adaptive_estimate",
+    "The cost model's current estimates: alpha, draft seconds per token, verify seconds "
+    "(plain and per verified position), round-trip seconds to each service.",
+    ["quantity"],
+    registry=None,
+)
+OVERLAPPED_STEPS = Counter(
+    "specdec_overlapped_steps_total",
+    "Steps whose next draft was drafted during the verify: used (every draft accepted) "
+    "or discarded (a rejection, or the ahead draft failed).",
+    ["outcome"],
+    registry=None,
+)
 SPECULATION_ENABLED = Gauge(
     "specdec_speculation_enabled",
     "1 while the draft is in use, 0 while the breaker is open.",
@@ -223,6 +243,9 @@ _ORCHESTRATOR_METRICS = (
     FALLBACK_STEPS,
     FALLBACK_REQUESTS,
     SPECULATION_ENABLED,
+    CHOSEN_GAMMA,
+    ESTIMATE,
+    OVERLAPPED_STEPS,
 )
 _MODEL_METRICS = (
     FORWARD_DURATION,

@@ -240,6 +240,7 @@ class Proposal:
     qs: list[SparseQ] | None  # [gamma]; None while only the wire form is at hand
     cache_len: int = 0  # the draft's cache length after drafting
     packed: Any = None  # the wire form, kept so that forwarding it costs no re-encoding
+    compute_s: float = 0.0  # seconds the draft service spent on it
 
 
 @dataclass
@@ -252,6 +253,7 @@ class Verdict:
     bonus_token: int  # a draw from p_{gamma+1}
     p: torch.Tensor | None = None  # [gamma + 1, vocab] when asked for (dense diagnostics)
     cache_len: int = 0  # the target's cache length after the pass
+    compute_s: float = 0.0  # seconds the target service spent on it
 
 
 def verify_draft(

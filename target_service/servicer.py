@@ -46,6 +46,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 residual_tokens=verdict.residual_tokens,
                 bonus_token=verdict.bonus_token,
                 cache_len=verdict.cache_len,
+                compute_s=verdict.compute_s,
             )
             if verdict.p is not None:
                 out.dense_p.extend(verdict.p.flatten().tolist())

@@ -25,6 +25,7 @@ class InProcess:
             draft=ModelServiceConfig(model=str(draft_dir or target_dir), max_batch_tokens=512),
             target=ModelServiceConfig(model=str(target_dir), max_batch_tokens=512),
         )
+        self.cfg.orchestrator.draft_timeout_s = 30.0  # a shared CI machine can be slow
         for key, value in orchestrator.items():
             setattr(self.cfg.orchestrator, key, value)
         self.tokenizer = load_tokenizer(str(target_dir))

@@ -9,9 +9,11 @@ as the "no network" reference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 
 from draft_service.drafter import Drafter
+from specdec.errors import DeadlineExceeded
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import Proposal, SamplingParams, Verdict
 from specdec.sessions import Session
@@ -21,6 +23,16 @@ from target_service.verifier import Verifier
 from ..step import Cursor
 
 
+@contextlib.asynccontextmanager
+async def _deadline(peer: str, timeout: float | None):
+    """asyncio's timeout as the domain's DeadlineExceeded (what the remote ports raise)."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    except TimeoutError:
+        raise DeadlineExceeded(f"{peer}: no answer within {timeout:.3g} s") from None
+
+
 class LocalDraftSession:
     def __init__(self, svc: Drafter, session: Session) -> None:
         self.svc, self.session = svc, session
@@ -28,7 +40,7 @@ class LocalDraftSession:
     async def propose(
         self, cursor: Cursor, gamma: int, seed: int, timeout: float | None = None
     ) -> Proposal:
-        async with asyncio.timeout(timeout):
+        async with _deadline("draft", timeout):
             return await self.svc.propose(
                 self.session, cursor.cache_len, cursor.pending, gamma, seed
             )
@@ -58,7 +70,7 @@ class LocalTargetSession:
             qs = proposal.qs
             if qs is None:  # only the wire form is at hand
                 qs = unpack_q(proposal.packed, self.svc.vocab_size, drafts)
-        async with asyncio.timeout(timeout):
+        async with _deadline("target", timeout):
             return await self.svc.verify(
                 self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p
             )
@@ -88,7 +100,7 @@ class LocalDraft:
         timeout: float | None = None,
         counter=None,
     ) -> LocalDraftSession:
-        async with asyncio.timeout(timeout):
+        async with _deadline("draft", timeout):
             session = await self.svc.open_draft(session_id, tokens, params, shape)
         return LocalDraftSession(self.svc, session)
 
@@ -113,7 +125,7 @@ class LocalTarget:
         timeout: float | None = None,
         counter=None,
     ) -> LocalTargetSession:
-        async with asyncio.timeout(timeout):
+        async with _deadline("target", timeout):
             session = await self.svc.open(session_id, tokens, params)
         return LocalTargetSession(self.svc, session)
 

@@ -77,7 +77,7 @@ class RemoteDraftSession:
         p = (await self.stream.ask(req, timeout)).proposal
         if len(p.tokens) != gamma:
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
-        return Proposal(list(p.tokens), None, p.cache_len, packed=p.q)
+        return Proposal(list(p.tokens), None, p.cache_len, packed=p.q, compute_s=p.compute_s)
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:
         req = draft_pb2.DraftRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
@@ -117,6 +117,7 @@ class RemoteTargetSession:
             residual_tokens=list(r.residual_tokens),
             bonus_token=r.bonus_token,
             cache_len=r.cache_len,
+            compute_s=r.compute_s,
             p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
         )
 

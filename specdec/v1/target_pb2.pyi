@@ -44,17 +44,19 @@ class Verify(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p")
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
     Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     DENSE_P_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     p_draft: _containers.RepeatedScalarFieldContainer[float]
     q_draft: _containers.RepeatedScalarFieldContainer[float]
     residual_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     cache_len: int
     dense_p: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ...) -> None: ...
+    compute_s: float
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ...) -> None: ...
