@@ -38,7 +38,7 @@ from specdec.sampling import expected_tokens_per_step
 # The greedy prompt and length: chosen because the demo pair's greedy text for
 # them does not fall into a loop (models/demo/MODEL_CARD.md, "Demo prompts").
 GREEDY_PROMPT = "Mrs. Jennings was a widow with an ample jointure."
-GREEDY_TOKENS = 48  # ends at the end of a sentence; the loop starts 5 tokens later
+GREEDY_TOKENS = 48  # ends at a full stop; the next sentence is a loop
 SAMPLED_PROMPTS = ("Mr. Darcy looked at Elizabeth and", "The morning was fine, and Emma")
 SAMPLED_TEMPERATURE, SAMPLED_SEED = 0.8, 1
 REPEATS = 3  # timed runs of each mode, interleaved, after one warm-up of each
