@@ -135,12 +135,17 @@ def report_speed(runs: dict[str, list[Run]], max_new_tokens: int, out: TextIO) -
     """tokens/s of each (median), the speedup, acceptance, and tokens per step against
     the formula."""
     w = out.write
-    tok_s = {n: statistics.median(r.stats.tokens_per_second for r in rs) for n, rs in runs.items()}
-    w(f"\n  {'':<12} {'tokens/s':>9} {'steps':>6} {'tokens/step':>12}\n")
+    tok_s = {n: [r.stats.tokens_per_second for r in rs] for n, rs in runs.items()}
+    median = {n: statistics.median(v) for n, v in tok_s.items()}
+    w(f"\n  {'':<12} {'tokens/s':>9} {'(range)':>13} {'steps':>6} {'tokens/step':>12}\n")
     for name, rs in runs.items():
-        s = rs[0].stats
-        w(f"  {name:<12} {tok_s[name]:>9.1f} {s.steps:>6} {s.generated_tokens / s.steps:>12.2f}\n")
-    w(f"speedup: {tok_s['speculative'] / tok_s['plain']:.2f}x\n")
+        s, spread = rs[0].stats, f"({min(tok_s[name]):.1f}-{max(tok_s[name]):.1f})"
+        w(f"  {name:<12} {median[name]:>9.1f} {spread:>13} {s.steps:>6} ")
+        w(f"{s.generated_tokens / s.steps:>12.2f}\n")
+    w(f"speedup: {median['speculative'] / median['plain']:.2f}x\n")
+    if any(max(v) > 1.5 * min(v) for v in tok_s.values()):
+        w("  (runs of the same request differed by more than 1.5x: this machine is busy,\n")
+        w("  so the speedup is noise as much as signal; run the demo again when it is idle)\n")
 
     spec = runs["speculative"][0]
     s, gamma = spec.stats, spec.stats.gamma
@@ -150,10 +155,11 @@ def report_speed(runs: dict[str, list[Run]], max_new_tokens: int, out: TextIO) -
     if counts and counts[1] and not s.fallback_steps:
         a = counts[0] / counts[1]
         w(
-            f"tokens per step: measured {s.generated_tokens / s.steps:.2f}, "
-            f"theory (1 - a^{gamma + 1}) / (1 - a) = {expected_tokens_per_step(a, gamma):.2f}\n"
-            f"  with a = {a:.2f}: {counts[0]} accepted of {counts[1]} judged drafts (a step stops\n"
-            "  judging at its first rejection; the rate above counts the drafts after it too)\n"
+            f"tokens per step: measured {s.generated_tokens / s.steps:.2f}; theory "
+            f"(1 - a^{gamma + 1}) / (1 - a) = {expected_tokens_per_step(a, gamma):.2f} "
+            f"with a = {a:.2f},\n  the acceptance of a judged draft ({counts[0]} of "
+            f"{counts[1]} accepted: a step stops judging at its\n  first rejection, while the "
+            "acceptance rate above counts every drafted token)\n"
         )
 
 
