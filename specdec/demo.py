@@ -173,7 +173,8 @@ def side_by_side(stub, prompt: str, max_new_tokens: int, repeats: int, out: Text
     identical = report_texts(runs, out)
     report_speed(runs, max_new_tokens, out)
     out.write(
-        f"measured: one warm-up request of each, then {repeats} interleaved runs of each;\n"
+        f"measured: one warm-up request of each, then {repeats} interleaved "
+        f"run{'s' if repeats > 1 else ''} of each;\n"
         "  tokens/s = median over the runs of generated tokens / request time at the\n"
         "  orchestrator (prefill included); all three services share this machine's\n"
         f"  {os.cpu_count()} CPU cores (load average {load:.1f} before the runs)\n"
@@ -270,7 +271,7 @@ def run_demo(
         return 1
     out.write(f"specdec demo: draft {cfg.draft.model}, target {cfg.target.model}\n")
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
-    ok, error = False, ""
+    ok, error, interrupted = False, "", False
     try:
         procs = start_local(config_path, overrides, log_dir=log_dir, on_ready=Progress(out))
         try:
@@ -288,8 +289,11 @@ def run_demo(
         error = f"{e.code().name}: {e.details()}"
     except RuntimeError as e:
         error = str(e)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        if ok:
+        if ok or interrupted:
             shutil.rmtree(log_dir, ignore_errors=True)
         else:  # the logs first: the harness's errors point "above" to a service's output
             _report_logs(log_dir, out)

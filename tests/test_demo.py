@@ -7,12 +7,14 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from specdec.config import REPO_ROOT
 from specdec.demo import per_token_acceptance, run_demo
@@ -32,25 +34,32 @@ def free_port_overrides() -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
-def run_command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run_command(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, str, str]:
+    """``specdec demo`` on free ports; (exit status, stdout, stderr)."""
     # TMPDIR: the demo's log folder lands under tmp_path, where the test can look.
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    return subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "specdec", "demo", *free_port_overrides(), *args],
         cwd=REPO_ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=280,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the demo stops its services on the way out
+        out, err = proc.communicate(timeout=50)
+        pytest.fail(f"specdec demo ran over {timeout:.0f} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return proc.returncode, out, err
 
 
 # ---- the command, end to end ----------------------------------------------------------------
 def test_demo_shows_the_same_text_and_a_speedup(tmp_path):
     # The demo's own prompt and length; one timed run of each mode keeps it short.
-    proc = run_command(tmp_path, "--repeats", "1")
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    rc, out, err = run_command(tmp_path, "--repeats", "1")
+    assert rc == 0, out[-3000:] + err[-3000:]
     assert "identical: yes" in out
     # The greedy text does not loop: no run of 2-8 words said twice in a row
     # ("the most agreeable, the most agreeable"; "I am sure I am sure").
@@ -60,28 +69,28 @@ def test_demo_shows_the_same_text_and_a_speedup(tmp_path):
     assert re.search(r"^speedup: \d+\.\d\dx$", out, re.M), out
     # Plain decoding is one token per step; speculation more, next to the formula.
     assert re.search(r"^  plain +[\d.]+ +\([\d.]+-[\d.]+\) +48 +1\.00$", out, re.M), out
-    m = re.search(r"tokens per step: measured ([\d.]+), theory .* = ([\d.]+)", out)
+    m = re.search(r"tokens per step: measured ([\d.]+); theory .*? = ([\d.]+) with a", out)
     assert m and float(m[1]) > 1.5 and float(m[2]) > 1.5, out
     assert out.count("[48 tokens in") == 2  # the two sampled completions
     # Quiet: a progress line per service, none of the services' own output.
     for role in ROLES:
         assert re.search(rf"^starting {role} \.\.\. ready \(\d+\.\d s\)$", out, re.M), out
     for noise in ("Loading weights", " INFO ", "WARNING"):
-        assert noise not in out + proc.stderr
+        assert noise not in out + err
     assert not list(tmp_path.glob("specdec-demo-*")), "logs of a successful demo are removed"
 
 
 def test_demo_names_its_logs_when_a_service_fails(tmp_path):
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
-    proc = run_command(tmp_path, "--set", f"draft.model={not_a_model}")
-    assert proc.returncode == 1
-    m = re.search(r"^service logs: (\S+)$", proc.stdout, re.M)
-    assert m, proc.stdout
+    rc, out, _ = run_command(tmp_path, "--set", f"draft.model={not_a_model}")
+    assert rc == 1
+    m = re.search(r"^service logs: (\S+)$", out, re.M)
+    assert m, out
     logs = Path(m[1])
     assert logs.parent == tmp_path and (logs / "draft.log").stat().st_size > 0
-    assert "--- draft.log (last lines) ---" in proc.stdout
-    assert "error: a service exited during start-up" in proc.stdout
+    assert "--- draft.log (last lines) ---" in out
+    assert "error: a service exited during start-up" in out
 
 
 def test_demo_refuses_a_port_that_is_taken(tmp_path):
