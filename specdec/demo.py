@@ -1,4 +1,4 @@
-"""``specdec demo``: what the product is for, in one minute: the same text, faster.
+"""``specdec demo``: what the product is for: the same text, faster.
 
 Starts draft, target and orchestrator locally (``configs/default.yaml``: the
 bundled demo pair), then, through those same services:
@@ -17,6 +17,7 @@ the cost ratio c and more, on many prompts).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -36,7 +37,7 @@ from specdec.local.stack import ROLES, start_local, stop_local
 from specdec.sampling import expected_tokens_per_step
 
 # The greedy prompt and length: chosen because the demo pair's greedy text for
-# them does not fall into a loop (models/demo/MODEL_CARD.md, "Demo prompts").
+# them does not fall into a loop (models/demo/MODEL_CARD.md, "The demo's prompt").
 GREEDY_PROMPT = "Mrs. Jennings was a widow with an ample jointure."
 GREEDY_TOKENS = 48  # ends at a full stop; the next sentence is a loop
 SAMPLED_PROMPTS = ("Mr. Darcy looked at Elizabeth and", "The morning was fine, and Emma")
@@ -216,8 +217,9 @@ def busy_ports(cfg: Config) -> list[str]:
             with socket.socket() as s:
                 try:
                     s.bind((section.host, port))
-                except OSError:
-                    busy.append(f"{role} {section.host}:{port}")
+                except OSError as e:
+                    if e.errno == errno.EADDRINUSE:  # anything else: the service will say
+                        busy.append(f"{role} {section.host}:{port}")
     return busy
 
 
