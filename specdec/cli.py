@@ -3,7 +3,7 @@
 specdec serve draft|target|orchestrator [--config FILE] [--set section.key=value ...]
 specdec up        [--config FILE] [--set ...]      # all three on this machine
 specdec generate  "prompt" [--address HOST:PORT] [--max-new-tokens N] ...
-specdec demo      [--config FILE]                  # up, generate a few completions, stop
+specdec demo      [--config FILE]                  # up, plain vs speculative, samples, stop
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ from specdec.local.stack import start_local, stop_local
 
 log = logging.getLogger("specdec")
 ROLES = ("draft", "target", "orchestrator")
-DEMO_PROMPTS = (
-    "It is a truth universally acknowledged, that",
-    "Mr. Darcy looked at Elizabeth and",
-    "The morning was fine, and Emma",
-)
 
 
 def _config_args(ap: argparse.ArgumentParser) -> None:
@@ -74,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion from an orchestrator")
     gen.add_argument("prompt")
     _generate_args(gen)
-    demo = sub.add_parser("demo", help="start all three, generate a few completions, stop")
+    demo = sub.add_parser("demo", help="start all three, compare plain and speculative, stop")
     _config_args(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=60)
+    demo.add_argument("--max-new-tokens", type=int, default=None, help="(default: the demo's)")
+    demo.add_argument("--repeats", type=int, default=None, help="timed runs of each mode")
     return ap
 
 
@@ -174,35 +170,6 @@ def generate(args: argparse.Namespace, out=sys.stdout) -> int:
     return 0
 
 
-def _demo(config_path: str | None, overrides: list[str], max_new_tokens: int) -> int:
-    cfg = load_config(config_path, overrides)
-    print("starting draft, target and orchestrator ...", flush=True)
-    procs = start_local(config_path, overrides, quiet=True)
-    rc = 0
-    try:
-        ap = build_parser()
-        for temperature, prompt in zip((0.0, 0.8, 0.8), DEMO_PROMPTS, strict=True):
-            print(f"\n--- temperature {temperature} ---")
-            args = ap.parse_args(
-                [
-                    "generate",
-                    prompt,
-                    "--max-new-tokens",
-                    str(max_new_tokens),
-                    "--temperature",
-                    str(temperature),
-                    "--seed",
-                    "1",
-                    "--address",
-                    f"{cfg.orchestrator.host}:{cfg.orchestrator.port}",
-                ]
-            )
-            rc = rc or generate(args)
-    finally:
-        stop_local(procs)
-    return rc
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -217,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             return generate(args)
         elif args.command == "demo":
-            return _demo(args.config, args.overrides, args.max_new_tokens)
+            from specdec.demo import run_demo
+
+            return run_demo(args.config, args.overrides, args.max_new_tokens, args.repeats)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
