@@ -80,9 +80,10 @@ class CostModel:
         name = "verify_seconds_gamma0" if gamma == 0 else "verify_seconds_per_position"
         metrics.ESTIMATE.labels(name).set(self.verify_s[key].value / (gamma + 1))
 
-    def observe_acceptance(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.alpha.add(accepted / drafted)
+    def observe_acceptance(self, judged: int, accepted: int) -> None:
+        """A step's judged drafts (accepted ones plus the first rejected one)."""
+        if judged:
+            self.alpha.add(accepted / judged)
             metrics.ESTIMATE.labels("alpha").set(self.alpha.value)
 
     # ---- the model ----------------------------------------------------------------------
@@ -141,15 +142,15 @@ class RequestPolicy:
     model: CostModel
     gamma: int | None  # fixed gamma, or None for adaptive
     overlap: bool  # drafting ahead allowed (fixed mode: used whenever gamma > 0)
-    drafted: int = 0
+    judged: int = 0  # drafts the target judged: accepted ones and first rejections
     accepted: int = 0
     plain_steps: int = 0
 
     @property
     def alpha(self) -> float:
-        """This request's acceptance rate, shrunk toward the pool's."""
+        """This request's acceptance rate (accepted / judged), shrunk toward the pool's."""
         prior = self.model.alpha.value
-        return (self.accepted + _PRIOR_TOKENS * prior) / (self.drafted + _PRIOR_TOKENS)
+        return (self.accepted + _PRIOR_TOKENS * prior) / (self.judged + _PRIOR_TOKENS)
 
     def choose(self, limit: int) -> tuple[int, bool]:
         """gamma (<= limit) and whether to draft ahead, for the next step."""
@@ -165,6 +166,8 @@ class RequestPolicy:
         return gamma, overlap
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
+        """A step drafted ``drafted`` tokens and the target accepted the first ``accepted``."""
+        judged = accepted + (accepted < drafted)
+        self.judged += judged
         self.accepted += accepted
-        self.model.observe_acceptance(drafted, accepted)
+        self.model.observe_acceptance(judged, accepted)

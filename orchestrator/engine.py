@@ -31,6 +31,7 @@ from specdec.sampling import Proposal
 from specdec.wire import PROTOCOL_VERSION, WireShape
 
 from .adaptive import CostModel, RequestPolicy
+from .monitor import ExactnessMonitor, emitted_terms
 from .replicas import ReplicaPool
 from .requests import RequestSpec
 from .resilience import Budget, DraftLink, TargetLink
@@ -56,6 +57,7 @@ class Stats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    judged: int = 0
     generated: int = 0
     round_trips: int = 0
     wire_bytes: int = 0
@@ -97,6 +99,7 @@ class Orchestrator:
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self.cost = CostModel(max_gamma=o.max_gamma)
+        self.monitor = ExactnessMonitor(o.monitor_fraction, o.monitor_window)
         for stage in ("propose", "verify", "rollback", "orchestrator"):
             metrics.STAGE_DURATION.labels(stage)
         for peer in ("draft", "target"):
@@ -358,8 +361,9 @@ class Generation:
                 ahead_task = asyncio.ensure_future(
                     self.draft.propose(next_gamma, ahead_seed, ahead=cursor)
                 )
+        pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
         try:
-            verdict = await self.target.verify(proposal, target_seed, self.spec.dense)
+            verdict = await self.target.verify(proposal, target_seed, self.spec.dense, pit)
         except BaseException:
             if ahead_task is not None:
                 ahead_task.cancel()
@@ -384,6 +388,12 @@ class Generation:
         self.target.cursor = outcome.target
         if self.draft is not None:
             self.draft.cursor = outcome.draft
+        if verdict.cdf_below:
+            self.orch.monitor.observe(
+                *emitted_terms(
+                    verdict.cdf_below, verdict.p_at, len(drafts), outcome.accepted, outcome.chained
+                )
+            )
         if chain:
             self.ahead = next_proposal
             self.stats.overlapped_steps += 1
@@ -415,6 +425,7 @@ class Generation:
         s = self.stats
         s.steps += 1
         s.drafted += gamma
+        s.judged += n + (n < gamma)
         self.gammas[gamma] += 1
         s.accepted += n
         metrics.STEPS.inc()

@@ -244,7 +244,9 @@ class TargetLink(_Link):
                 replica.breaker.failure()
                 self.drop_session()
 
-    async def verify(self, proposal: Proposal | None, seed: int, dense_p: bool) -> Verdict:
+    async def verify(
+        self, proposal: Proposal | None, seed: int, dense_p: bool, pit: bool = False
+    ) -> Verdict:
         """The verdict on ``proposal`` from ``self.cursor``, riding out restarts."""
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
@@ -258,6 +260,7 @@ class TargetLink(_Link):
                     seed,
                     dense_p,
                     self.budget.left(self.budget.target_timeout_s),
+                    pit,
                 )
                 self.replica.breaker.success()
                 return verdict

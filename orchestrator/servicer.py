@@ -41,6 +41,7 @@ def stats_to_pb(s: Stats) -> orchestrator_pb2.GenerationStats:
         adaptive=s.adaptive,
         mean_gamma=s.mean_gamma,
         overlapped_steps=s.overlapped_steps,
+        judged_tokens=s.judged,
     )
 
 

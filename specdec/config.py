@@ -119,6 +119,11 @@ class OrchestratorConfig:
     draft_retry_after_s: float = 1.0
     draft_retry_max_s: float = 30.0
     grace_period_s: float = 10.0
+    # Live exactness monitor: the fraction of sampled (temperature > 0) steps
+    # whose emitted tokens are checked, and how many recent checks the
+    # uniformity statistic covers (orchestrator/monitor.py).
+    monitor_fraction: float = 0.01
+    monitor_window: int = 4096
     # Trim both caches with explicit Rollback RPCs after every step instead of
     # letting the rollback ride in the next Propose/Verify (one more round trip).
     explicit_rollback: bool = False
@@ -159,6 +164,7 @@ _POSITIVE = {
     "target_timeout_s",
     "max_message_bytes",
     "max_batch_tokens",
+    "monitor_window",
 }
 _NON_NEGATIVE = {
     "port",
@@ -252,6 +258,10 @@ def _validate(cfg: Config) -> None:
         if not sub.model:
             raise ConfigError(f"{section}.model: required (a local model directory)")
     orch = cfg.orchestrator
+    if not 0.0 <= orch.monitor_fraction <= 1.0:
+        raise ConfigError(
+            f"orchestrator.monitor_fraction: must be in [0, 1], got {orch.monitor_fraction}"
+        )
     if not 0.0 <= orch.wire_eps < 0.5:
         raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")
     if orch.gamma > orch.max_gamma:

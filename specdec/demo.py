@@ -52,72 +52,43 @@ class Run:
 
     token_ids: list[int]
     text: str
-    chunk_sizes: list[int]  # token ids per streamed chunk
     stats: object  # specdec.v1.GenerationStats
 
 
-# ---- the math -------------------------------------------------------------------------
-def per_token_acceptance(
-    chunk_sizes: list[int], gamma: int, max_new_tokens: int
-) -> tuple[int, int] | None:
-    """(accepted, judged) drafts of a greedy run, from the tokens each step emitted.
-
-    alpha in (1 - alpha^(gamma+1)) / (1 - alpha) is the chance that a draft is
-    accepted once the target judges it. Each step judges its drafts in order and
-    stops at the first rejection, so judged = accepted + rejections; the drafts
-    after a rejection are never judged. (accepted / drafted, the statistics'
-    acceptance_rate, counts those as rejected and so is not alpha.)
-
-    A step emits n accepted drafts plus one target token, and drafts
-    min(gamma, tokens still wanted - 1). None when the chunks do not match steps
-    one to one (the orchestrator may hold tokens back, e.g. for stop strings).
-    """
-    accepted = rejections = emitted = 0
-    for size in chunk_sizes:
-        drafted = min(gamma, max_new_tokens - emitted - 1)
-        n = size - 1
-        if not 0 <= n <= drafted:
-            return None
-        accepted += n
-        rejections += n < drafted
-        emitted += size
-    return accepted, accepted + rejections
-
-
 # ---- talking to the orchestrator ------------------------------------------------------
-def greedy_run(stub, prompt: str, max_new_tokens: int, gamma: int | None) -> Run:
-    """One greedy request; ``gamma`` None uses the server's default."""
+def greedy_run(stub, prompt: str, max_new_tokens: int, gamma: int) -> Run:
+    """One greedy request with this gamma, steps one after the other (no drafting
+    ahead: the seed's formula describes exactly this)."""
     from specdec.v1 import orchestrator_pb2
 
     request = orchestrator_pb2.GenerateRequest(
-        text=prompt, max_new_tokens=max_new_tokens, temperature=0.0
+        text=prompt, max_new_tokens=max_new_tokens, temperature=0.0, gamma=gamma, overlap=False
     )
-    if gamma is not None:
-        request.gamma = gamma
     ids: list[int] = []
-    text, sizes, stats = "", [], None
+    text, stats = "", None
     for message in stub.Generate(request, timeout=TIMEOUT_S):
         if message.HasField("chunk"):
             ids += message.chunk.token_ids
             text += message.chunk.text
-            sizes.append(len(message.chunk.token_ids))
         else:
             stats = message.stats
-    return Run(ids, text, sizes, stats)
-
-
-MODES = {"plain": 0, "speculative": None}  # gamma of each; None = the server's default
+    return Run(ids, text, stats)
 
 
 def measure(stub, prompt: str, max_new_tokens: int, repeats: int) -> dict[str, list[Run]]:
     """Each mode once to warm up (untimed), then ``repeats`` times, interleaved and
-    alternating which goes first, so that a change in the machine's load hits both."""
-    for gamma in MODES.values():
+    alternating which goes first, so that a change in the machine's load hits both.
+    Speculative decoding uses the server's configured gamma."""
+    from specdec.v1 import orchestrator_pb2
+
+    default = stub.Info(orchestrator_pb2.OrchestratorInfoRequest(), timeout=TIMEOUT_S)
+    modes = {"plain": 0, "speculative": default.default_gamma}
+    for gamma in modes.values():
         greedy_run(stub, prompt, max_new_tokens, gamma)
-    runs: dict[str, list[Run]] = {name: [] for name in MODES}
+    runs: dict[str, list[Run]] = {name: [] for name in modes}
     for r in range(repeats):
-        for name in list(MODES)[:: 1 if r % 2 == 0 else -1]:
-            runs[name].append(greedy_run(stub, prompt, max_new_tokens, MODES[name]))
+        for name in list(modes)[:: 1 if r % 2 == 0 else -1]:
+            runs[name].append(greedy_run(stub, prompt, max_new_tokens, modes[name]))
     return runs
 
 
@@ -152,15 +123,14 @@ def report_speed(runs: dict[str, list[Run]], max_new_tokens: int, out: TextIO) -
     s, gamma = spec.stats, spec.stats.gamma
     w(f"acceptance rate: {s.acceptance_rate:.2f} ")
     w(f"({s.accepted_tokens} of {s.drafted_tokens} drafted tokens accepted)\n")
-    counts = per_token_acceptance(spec.chunk_sizes, gamma, max_new_tokens)
-    if counts and counts[1] and not s.fallback_steps:
-        a = counts[0] / counts[1]
+    if s.judged_tokens and not s.fallback_steps:
+        a = s.accepted_tokens / s.judged_tokens
         w(
             f"tokens per step: measured {s.generated_tokens / s.steps:.2f}; theory "
             f"(1 - a^{gamma + 1}) / (1 - a) = {expected_tokens_per_step(a, gamma):.2f} "
-            f"with a = {a:.2f},\n  the acceptance of a judged draft ({counts[0]} of "
-            f"{counts[1]} accepted: a step stops judging at its\n  first rejection, while the "
-            "acceptance rate above counts every drafted token)\n"
+            f"with a = {a:.2f},\n  the acceptance of a judged draft ({s.accepted_tokens} of "
+            f"{s.judged_tokens} accepted: a step stops judging at its\n  first rejection, while "
+            "the acceptance rate above counts every drafted token)\n"
         )
 
 

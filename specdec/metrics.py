@@ -137,6 +137,22 @@ OVERLAPPED_STEPS = Counter(
     ["outcome"],
     registry=None,
 )
+PIT_CHI2 = Gauge(
+    "specdec_exactness_pit_chi2",
+    "Live exactness monitor: chi-square (15 df) of the randomized PIT values of sampled "
+    "emitted tokens in the window against the uniform; above 70 the output is biased.",
+    registry=None,
+)
+PIT_WINDOW = Gauge(
+    "specdec_exactness_pit_window",
+    "Live exactness monitor: PIT values currently in the window.",
+    registry=None,
+)
+PIT_TOKENS = Counter(
+    "specdec_exactness_pit_tokens_total",
+    "Live exactness monitor: emitted tokens whose PIT value was checked.",
+    registry=None,
+)
 SPECULATION_ENABLED = Gauge(
     "specdec_speculation_enabled",
     "1 while the draft is in use, 0 while the breaker is open.",
@@ -246,6 +262,9 @@ _ORCHESTRATOR_METRICS = (
     CHOSEN_GAMMA,
     ESTIMATE,
     OVERLAPPED_STEPS,
+    PIT_CHI2,
+    PIT_WINDOW,
+    PIT_TOKENS,
 )
 _MODEL_METRICS = (
     FORWARD_DURATION,

@@ -254,6 +254,10 @@ class Verdict:
     p: torch.Tensor | None = None  # [gamma + 1, vocab] when asked for (dense diagnostics)
     cache_len: int = 0  # the target's cache length after the pass
     compute_s: float = 0.0  # seconds the target service spent on it
+    # For the exactness monitor (when asked): x_1..x_gamma, the residual draws, the
+    # bonus (2 gamma + 1 entries): p's mass below each token (vocabulary order), and on it.
+    cdf_below: list[float] | None = None
+    p_at: list[float] | None = None
 
 
 def verify_draft(
@@ -263,6 +267,7 @@ def verify_draft(
     params: SamplingParams,
     u: torch.Tensor,
     keep_p: bool = False,
+    pit: bool = False,
 ) -> Verdict:
     """The target's half of a step.
 
@@ -270,6 +275,8 @@ def verify_draft(
         x_1..x_gamma and the bonus token.
     draft_tokens: x_1..x_gamma; qs: the proposals they were drawn from.
     u: [gamma + 1] uniforms for the residual draws and the bonus draw.
+    ``pit``: also report what a probability integral transform of each
+    candidate token needs (``pit_terms``); never for greedy (p is one-hot there).
     """
     gamma = len(draft_tokens)
     q_draft = [q.prob(x) for q, x in zip(qs, draft_tokens, strict=True)]
@@ -291,13 +298,36 @@ def verify_draft(
         q = torch.stack([q.dense(p.device, p.dtype) for q in qs])  # [gamma, vocab]
         rows = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
     drawn = inverse_cdf(rows, u).tolist()  # [gamma + 1]
-    return Verdict(
+    verdict = Verdict(
         p_draft=p_draft.tolist(),
         q_draft=q_draft,
         residual_tokens=drawn[:gamma],
         bonus_token=drawn[gamma],
         p=p if keep_p else None,
     )
+    if pit:
+        candidates = list(draft_tokens) + drawn[:gamma] + [drawn[gamma]]
+        rows_of = list(range(gamma)) * 2 + [gamma]  # the position each candidate is for
+        verdict.cdf_below, verdict.p_at = pit_terms(p, rows_of, candidates)
+    return verdict
+
+
+def pit_terms(
+    p: torch.Tensor, rows: list[int], tokens: list[int]
+) -> tuple[list[float], list[float]]:
+    """For each (row, token): p[row]'s mass on ids below the token, and on the token.
+
+    p: [positions, vocab]. With v ~ U[0, 1), below + v * at is uniform on [0, 1)
+    exactly when the token was drawn from p[row] (randomized PIT).
+    """
+    if not tokens:
+        return [], []
+    cdf = p.double().cumsum(dim=-1)  # [positions, vocab]
+    r = torch.tensor(rows, device=p.device)
+    t = torch.tensor(tokens, device=p.device)
+    at = p.double()[r, t]
+    below = cdf[r, t] - at
+    return below.clamp_min(0).tolist(), at.tolist()
 
 
 # ---- the orchestrator's half --------------------------------------------------------------

@@ -38,7 +38,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             )
             qs = unpack_q(v.draft_q, self.svc.vocab_size, drafts)
             verdict = await self.svc.verify(
-                session, v.cache_len, pending, drafts, qs, v.seed, v.return_dense_p
+                session, v.cache_len, pending, drafts, qs, v.seed, v.return_dense_p, v.return_pit
             )
             out = target_pb2.Verdict(
                 p_draft=verdict.p_draft,
@@ -48,6 +48,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 cache_len=verdict.cache_len,
                 compute_s=verdict.compute_s,
             )
+            if verdict.cdf_below is not None:
+                out.cdf_below.extend(verdict.cdf_below)
+                out.p_at.extend(verdict.p_at)
             if verdict.p is not None:
                 out.dense_p.extend(verdict.p.flatten().tolist())
             return target_pb2.TargetReply(verdict=out)

@@ -59,6 +59,7 @@ class Verifier(ModelService):
         qs: list[SparseQ],
         seed: int,
         dense_p: bool = False,
+        pit: bool = False,
     ) -> Verdict:
         """Roll back to ``cache_len``, then one forward over pending + drafts."""
         pending, drafts = self.check_verify(session, cache_len, pending, drafts)
@@ -76,7 +77,9 @@ class Verifier(ModelService):
             )
         self.roll_back_to(session, cache_len)
         kind = "verify" if drafts else "decode"
-        verdict = await self.run(self._verify(session, pending, drafts, qs, seed, dense_p), kind)
+        verdict = await self.run(
+            self._verify(session, pending, drafts, qs, seed, dense_p, pit), kind
+        )
         self.sessions.update_gauges()
         verdict.compute_s = time.perf_counter() - start
         return verdict
@@ -87,7 +90,7 @@ class Verifier(ModelService):
             session.extra.length = -1
         return removed
 
-    def _verify(self, session, pending, drafts, qs, seed, dense_p) -> Job:
+    def _verify(self, session, pending, drafts, qs, seed, dense_p, pit) -> Job:
         gamma = len(drafts)
         last: LastLogits = session.extra
         if pending:
@@ -99,7 +102,13 @@ class Verifier(ModelService):
             logits = torch.cat(rows)  # [gamma + 1, vocab]
         last.logits, last.length = logits[-1], session.length
         verdict = verify_draft(
-            logits, drafts, qs, session.params, uniforms(seed, gamma + 1), keep_p=dense_p
+            logits,
+            drafts,
+            qs,
+            session.params,
+            uniforms(seed, gamma + 1),
+            keep_p=dense_p,
+            pit=pit and not session.params.greedy,
         )
         verdict.cache_len = session.length
         return verdict

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from specdec.config import REPO_ROOT
-from specdec.demo import per_token_acceptance, run_demo
+from specdec.demo import run_demo
 from specdec.sampling import expected_tokens_per_step
 
 from .stack import free_port
@@ -106,16 +106,6 @@ def test_demo_refuses_a_port_that_is_taken(tmp_path):
 
 
 # ---- alpha from the steps ---------------------------------------------------------------
-def test_per_token_acceptance_counts_judged_drafts():
-    # gamma 4, 10 tokens: all 4 accepted (5 emitted); 2 accepted then a rejection (3);
-    # 1 drafted (one token still wanted after it) and accepted (2).
-    assert per_token_acceptance([5, 3, 2], gamma=4, max_new_tokens=10) == (7, 8)
-    assert per_token_acceptance([1] * 6, gamma=4, max_new_tokens=6) == (0, 5)
-    # Chunks that are not steps (more tokens than a step can emit): no estimate.
-    assert per_token_acceptance([6], gamma=4, max_new_tokens=10) is None
-    assert per_token_acceptance([0, 5], gamma=4, max_new_tokens=10) is None
-
-
 def simulated_steps(alpha: float, gamma: int, max_new_tokens: int, seed: int) -> list[int]:
     """Tokens emitted by each step when every draft is accepted with chance alpha."""
     rng = np.random.default_rng(seed)
@@ -136,7 +126,12 @@ def test_formula_with_judged_acceptance_predicts_tokens_per_step():
     # put into the same formula must miss by far more: it is not alpha.
     alpha, gamma, tokens = 0.7, 4, 12_000
     sizes = simulated_steps(alpha, gamma, tokens, seed=16)
-    accepted, judged = per_token_acceptance(sizes, gamma, tokens)
+    # As the orchestrator counts them (GenerationStats.judged_tokens): a step
+    # judges its drafts in order and stops at the first rejection.
+    accepted = judged = emitted = 0
+    for size in sizes:
+        drafted, n = min(gamma, tokens - emitted - 1), size - 1
+        accepted, judged, emitted = accepted + n, judged + n + (n < drafted), emitted + size
     measured = tokens / len(sizes)
     a = accepted / judged
     assert abs(a - alpha) < 0.015

@@ -177,6 +177,7 @@ def test_alerts_are_complete_and_each_is_unit_tested_firing_and_not_firing():
         "SpecdecFallbackActive",
         "SpecdecHighRequestLatency",
         "SpecdecHighErrorRate",
+        "SpecdecExactnessDrift",
     } <= names
     for a in alerts:
         assert a["labels"]["severity"] in {"warning", "critical"}, a["alert"]

@@ -52,6 +52,7 @@ class TargetSession(Protocol):
         seed: int,
         dense_p: bool,
         timeout: float | None,
+        pit: bool = False,
     ) -> Verdict: ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...

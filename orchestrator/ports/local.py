@@ -63,6 +63,7 @@ class LocalTargetSession:
         seed: int,
         dense_p: bool = False,
         timeout: float | None = None,
+        pit: bool = False,
     ) -> Verdict:
         drafts = proposal.tokens if proposal else []
         qs = []
@@ -72,7 +73,7 @@ class LocalTargetSession:
                 qs = unpack_q(proposal.packed, self.svc.vocab_size, drafts)
         async with _deadline("target", timeout):
             return await self.svc.verify(
-                self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p
+                self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p, pit
             )
 
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:

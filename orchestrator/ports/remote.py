@@ -98,12 +98,14 @@ class RemoteTargetSession:
         seed: int,
         dense_p: bool,
         timeout: float | None,
+        pit: bool = False,
     ) -> Verdict:
         v = target_pb2.Verify(
             cache_len=cursor.cache_len,
             pending_tokens=cursor.pending,
             seed=seed,
             return_dense_p=dense_p,
+            return_pit=pit,
         )
         if proposal is not None and proposal.tokens:
             v.draft_tokens.extend(proposal.tokens)
@@ -118,6 +120,8 @@ class RemoteTargetSession:
             bonus_token=r.bonus_token,
             cache_len=r.cache_len,
             compute_s=r.compute_s,
+            cdf_below=list(r.cdf_below) if pit else None,
+            p_at=list(r.p_at) if pit else None,
             p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
         )
 
