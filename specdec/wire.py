@@ -111,6 +111,8 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
         sizes.append(len(ids))
         tails.append(q.tail)
     bits = qs[0].bits if qs else DEFAULT_Q_BITS
+    if any(q.bits != bits for q in qs):
+        raise ValueError("every q of one draft is quantized to the same bits")
     id_bytes, id_esc = _bytes_with_escapes(np.concatenate(deltas) if deltas else np.zeros(0, int))
     c_bytes, c_esc = _bytes_with_escapes(np.concatenate(counts) if counts else np.zeros(0, int))
     return common_pb2.PackedQ(
