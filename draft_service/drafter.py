@@ -52,11 +52,16 @@ class Drafter(ModelService):
         shape: WireShape = session.extra
         tokens: list[int] = []
         qs: list[SparseQ] = []
+        forward_s = batch_tokens = 0.0
         for _ in range(gamma):
             logits = yield Feed(session.kv, feed, 1)  # [1, vocab]
+            forward_s += self.loop.last_batch.seconds
+            batch_tokens += self.loop.last_batch.tokens
             q = sparse_q(logits[0], session.params, shape.max_entries, shape.eps, shape.bits)
             x = q.sample(rng)
             tokens.append(x)
             qs.append(q)
             feed = [x]
-        return Proposal(tokens, qs, session.length)
+        return Proposal(
+            tokens, qs, session.length, forward_s=forward_s, batch_tokens=batch_tokens / gamma
+        )

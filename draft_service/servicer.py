@@ -43,6 +43,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     q=pack_q(proposal.qs),
                     cache_len=proposal.cache_len,
                     compute_s=proposal.compute_s,
+                    forward_s=proposal.forward_s,
+                    batch_tokens=proposal.batch_tokens,
                 )
             )
         if kind == "rollback":

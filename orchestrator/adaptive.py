@@ -2,25 +2,32 @@
 model fed with what the orchestrator measures.
 
 A step drafting g tokens emits on average E(a, g) = (1 - a^(g+1)) / (1 - a)
-tokens (a = acceptance rate) and costs, in seconds:
+tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 
 * sequential: R_d + g d + R_t + V(g)
 * overlapped (the draft drafts the next block while the target verifies this
   one, as if every draft will be accepted; that block is used with
-  probability a^g): R_t + V(g) + (1 - a^g) (R_d + g d) + a^g max(0, R_d + g d - R_t - V(g))
+  probability a^g): R_t + V(g) + (1 - a^g)(R_d + g d) + a^g max(0, R_d + g d - R_t - V(g))
 * plain decoding (g = 0): R_t + V(0) per token,
 
-where d is the draft's time per drafted token, V(g) the target's time to
-verify g drafts, and R_d, R_t the round trips to each service beyond their
-compute (network, gRPC, queueing). Nobody configures any of these: every
-reply carries the service's own compute time (``compute_s``), the orchestrator
-times the call, and the difference is the round trip. The rate E / cost is
-maximized over g in 0..max_gamma and both modes.
+where R_d, R_t are the round trips to each service beyond its compute
+(network, gRPC), d the draft's time per drafted token and V(g) the target's
+time to verify g drafts. Nobody configures any of these: every reply carries
+the service's compute time, its forward pass's time and the tokens that pass
+carried for all sessions together; the orchestrator times the call.
 
-Estimates are exponentially weighted. The acceptance rate of a request is
-shrunk toward the pool's (a request starts at the global estimate and moves
-to its own as its evidence grows). While plain decoding wins, a step drafts
-now and then anyway so that the estimates stay current.
+**Under load, less speculation.** A forward pass costs about a + b * tokens
+(the fixed cost of reading the weights, plus the per-token work), fitted
+online. When N sessions share the target's passes (measured from the passes'
+token counts), every one of them verifying g + 1 tokens makes a pass cost
+a + b N (g + 1): each extra drafted token costs every session b. Choosing g
+with that cost makes the chosen gamma fall as batches grow, down to plain
+decoding when rejected tokens would cost more batch compute than accepted
+ones save; with one session it is the single-request model.
+
+Estimates are exponentially weighted. A request's acceptance rate is shrunk
+toward the pool's. While plain decoding wins, a step drafts now and then anyway
+so that the estimates stay current.
 Not for: running steps (``orchestrator.engine``).
 """
 
@@ -32,8 +39,10 @@ from specdec import metrics
 from specdec.sampling import expected_tokens_per_step
 
 _SMOOTH = 0.1  # weight of a new observation
-_PRIOR_TOKENS = 16.0  # drafted tokens' worth of the global acceptance rate in a request's
+_FORGET = 0.98  # per observation, in the line fits
+_PRIOR_TOKENS = 16.0  # judged drafts' worth of the pool's acceptance rate in a request's
 _EXPLORE_EVERY = 32  # plain steps between two drafting steps that refresh the estimates
+_PRIOR_SLOPE = 0.05  # a token costs this fraction of a pass's fixed cost until measured
 
 
 class _Ewma:
@@ -46,39 +55,80 @@ class _Ewma:
         self.seen = True
 
 
+class _Line:
+    """y = a + b x, least squares with exponential forgetting (and a prior slope
+    while x has not varied enough to tell)."""
+
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b = a, b
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        f = _FORGET
+        self._w = f * self._w + 1
+        self._x = f * self._x + x
+        self._y = f * self._y + y
+        self._xx = f * self._xx + x * x
+        self._xy = f * self._xy + x * y
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x**2
+        if var > 0.25:  # x has spread: fit the slope
+            self.b = max(0.0, (self._xy / self._w - mean_x * mean_y) / var)
+        else:
+            self.b = _PRIOR_SLOPE * max(mean_y, 1e-6)
+        self.a = max(1e-6, mean_y - self.b * mean_x)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
 @dataclass
 class CostModel:
     """The pool-wide estimates (one per orchestrator)."""
 
     max_gamma: int = 16
     alpha: _Ewma = field(default_factory=lambda: _Ewma(0.7))
-    draft_token_s: _Ewma = field(default_factory=lambda: _Ewma(0.001))
+    # A forward pass's seconds as a line in the tokens it carries.
+    target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
+    draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
+    # Service time beyond the forward passes (sampling, packing, queueing).
+    target_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0002))
+    draft_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0001))  # per drafted token
     rtt_draft_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
     rtt_target_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
-    # V by (gamma, overlapped): a target sharing machines with the draft may be slower
-    # while the draft drafts ahead, so the two modes are measured apart.
-    verify_s: dict[tuple[int, bool], _Ewma] = field(default_factory=dict)
+    # Sessions sharing a pass (1: alone).
+    target_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
+    draft_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
 
     # ---- observations ---------------------------------------------------------------
-    def observe_draft(self, gamma: int, wall_s: float, compute_s: float) -> None:
+    def observe_draft(
+        self, gamma: int, wall_s: float, compute_s: float, forward_s: float, batch_tokens: float
+    ) -> None:
         if gamma <= 0 or compute_s <= 0:
             return
-        self.draft_token_s.add(compute_s / gamma)
+        if forward_s > 0 and batch_tokens > 0:
+            self.draft_pass.add(batch_tokens, forward_s / gamma)
+            self.draft_sessions.add(max(1.0, batch_tokens))
+        self.draft_extra_s.add(max(0.0, compute_s - forward_s) / gamma)
         self.rtt_draft_s.add(max(0.0, wall_s - compute_s))
-        metrics.ESTIMATE.labels("draft_token_seconds").set(self.draft_token_s.value)
+        metrics.ESTIMATE.labels("draft_token_seconds").set(self.draft_token_s())
         metrics.ESTIMATE.labels("rtt_draft_seconds").set(self.rtt_draft_s.value)
 
     def observe_verify(
-        self, gamma: int, wall_s: float, compute_s: float, overlapped: bool = False
+        self, gamma: int, wall_s: float, compute_s: float, forward_s: float, batch_tokens: int
     ) -> None:
         if compute_s <= 0:
             return
-        key = (gamma, overlapped)
-        self.verify_s.setdefault(key, _Ewma(compute_s)).add(compute_s)
+        own = gamma + 1
+        if forward_s > 0 and batch_tokens > 0:
+            self.target_pass.add(batch_tokens, forward_s)
+            self.target_sessions.add(max(1.0, batch_tokens / own))
+        self.target_extra_s.add(max(0.0, compute_s - forward_s))
         self.rtt_target_s.add(max(0.0, wall_s - compute_s))
         metrics.ESTIMATE.labels("rtt_target_seconds").set(self.rtt_target_s.value)
-        name = "verify_seconds_gamma0" if gamma == 0 else "verify_seconds_per_position"
-        metrics.ESTIMATE.labels(name).set(self.verify_s[key].value / (gamma + 1))
+        metrics.ESTIMATE.labels("verify_seconds_gamma0").set(self.verify_cost(0))
+        metrics.ESTIMATE.labels("verify_seconds_per_position").set(self.target_pass.b)
+        metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
 
     def observe_acceptance(self, judged: int, accepted: int) -> None:
         """A step's judged drafts (accepted ones plus the first rejected one)."""
@@ -87,39 +137,28 @@ class CostModel:
             metrics.ESTIMATE.labels("alpha").set(self.alpha.value)
 
     # ---- the model ----------------------------------------------------------------------
-    def verify_cost(self, gamma: int, overlapped: bool = False) -> float:
-        """V(gamma): measured, or a line through what was measured (in this mode
-        if it was measured at all, else in the other)."""
-        if (gamma, overlapped) in self.verify_s:
-            return self.verify_s[(gamma, overlapped)].value
-        mode = overlapped if any(k[1] == overlapped for k in self.verify_s) else not overlapped
-        seen = sorted((g, e.value) for (g, o), e in self.verify_s.items() if o == mode)
-        if not seen:
-            return 0.01 * (1 + 0.1 * gamma)  # anything: the first steps measure it
-        if len(seen) == 1:
-            g0, v0 = seen[0]
-            return v0 * (1 + 0.1 * (gamma - g0))  # 10% per token until known better
-        n = len(seen)
-        mg = sum(g for g, _ in seen) / n
-        mv = sum(v for _, v in seen) / n
-        var = sum((g - mg) ** 2 for g, _ in seen)
-        slope = sum((g - mg) * (v - mv) for g, v in seen) / var if var else 0.0
-        return max(1e-6, mv + max(0.0, slope) * (gamma - mg))
+    def draft_token_s(self) -> float:
+        """d: seconds per drafted token, with the draft's passes as shared as now."""
+        return self.draft_pass(self.draft_sessions.value) + self.draft_extra_s.value
+
+    def verify_cost(self, gamma: int) -> float:
+        """V(gamma): a pass in which every session sharing it verifies gamma drafts."""
+        tokens = self.target_sessions.value * (gamma + 1)
+        return self.target_pass(tokens) + self.target_extra_s.value
 
     def step_cost(self, gamma: int, alpha: float, overlap: bool) -> float:
         """Expected seconds of one step."""
-        rt, rd = self.rtt_target_s.value, self.rtt_draft_s.value
-        verify = rt + self.verify_cost(gamma, overlap and gamma > 0)
+        verify = self.rtt_target_s.value + self.verify_cost(gamma)
         if gamma == 0:
             return verify
-        draft = rd + gamma * self.draft_token_s.value
+        draft = self.rtt_draft_s.value + gamma * self.draft_token_s()
         if not overlap:
             return draft + verify
         chained = alpha**gamma
         return verify + (1 - chained) * draft + chained * max(0.0, draft - verify)
 
     def rate(self, gamma: int, alpha: float, overlap: bool) -> float:
-        """Expected tokens per second."""
+        """Expected tokens per second of one request."""
         tokens = expected_tokens_per_step(alpha, gamma) if gamma else 1.0
         return tokens / self.step_cost(gamma, alpha, overlap)
 

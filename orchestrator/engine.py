@@ -404,20 +404,31 @@ class Generation:
             if self.draft is not None:
                 await self.draft.rollback()
         t4 = time.perf_counter()
-        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1, ahead_task)
+        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1)
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         return outcome.tokens
 
-    def observe(self, drafted, verdict, t_propose: float, t_verify: float, ahead_task) -> None:
+    def observe(self, drafted, verdict, t_propose: float, t_verify: float) -> None:
         """Feed the cost model with this step's measured times. ``drafted``: the
         proposal drafted in this step (None when it was drafted during the last
         verify, whose time overlapped)."""
         cost = self.orch.cost
         if drafted is not None:
-            cost.observe_draft(len(drafted.tokens), t_propose, drafted.compute_s)
-        gamma = len(verdict.p_draft)
-        cost.observe_verify(gamma, t_verify, verdict.compute_s, ahead_task is not None)
+            cost.observe_draft(
+                len(drafted.tokens),
+                t_propose,
+                drafted.compute_s,
+                drafted.forward_s,
+                drafted.batch_tokens,
+            )
+        cost.observe_verify(
+            len(verdict.p_draft),
+            t_verify,
+            verdict.compute_s,
+            verdict.forward_s,
+            verdict.batch_tokens,
+        )
 
     def record_step(
         self, gamma: int, n: int, t_propose: float, t_verify: float, t_rb: float, total: float

@@ -241,6 +241,8 @@ class Proposal:
     cache_len: int = 0  # the draft's cache length after drafting
     packed: Any = None  # the wire form, kept so that forwarding it costs no re-encoding
     compute_s: float = 0.0  # seconds the draft service spent on it
+    forward_s: float = 0.0  # of which in the gamma forward passes
+    batch_tokens: float = 0.0  # mean tokens those passes carried, all sessions together
 
 
 @dataclass
@@ -254,6 +256,8 @@ class Verdict:
     p: torch.Tensor | None = None  # [gamma + 1, vocab] when asked for (dense diagnostics)
     cache_len: int = 0  # the target's cache length after the pass
     compute_s: float = 0.0  # seconds the target service spent on it
+    forward_s: float = 0.0  # of which in the forward pass
+    batch_tokens: int = 0  # tokens that pass carried, all sessions together
     # For the exactness monitor (when asked): x_1..x_gamma, the residual draws, the
     # bonus (2 gamma + 1 entries): p's mass below each token (vocabulary order), and on it.
     cdf_below: list[float] | None = None

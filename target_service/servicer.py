@@ -47,6 +47,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 bonus_token=verdict.bonus_token,
                 cache_len=verdict.cache_len,
                 compute_s=verdict.compute_s,
+                forward_s=verdict.forward_s,
+                batch_tokens=verdict.batch_tokens,
             )
             if verdict.cdf_below is not None:
                 out.cdf_below.extend(verdict.cdf_below)

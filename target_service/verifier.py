@@ -93,12 +93,15 @@ class Verifier(ModelService):
     def _verify(self, session, pending, drafts, qs, seed, dense_p, pit) -> Job:
         gamma = len(drafts)
         last: LastLogits = session.extra
+        forward = None
         if pending:
             logits = yield Feed(session.kv, pending + drafts, gamma + 1)  # [gamma + 1, vocab]
+            forward = self.loop.last_batch
         else:  # p for x_1 was computed by the last pass
             rows = [last.logits[None]]
             if gamma:
                 rows.append((yield Feed(session.kv, drafts, gamma)))  # [gamma, vocab]
+                forward = self.loop.last_batch
             logits = torch.cat(rows)  # [gamma + 1, vocab]
         last.logits, last.length = logits[-1], session.length
         verdict = verify_draft(
@@ -111,4 +114,6 @@ class Verifier(ModelService):
             pit=pit and not session.params.greedy,
         )
         verdict.cache_len = session.length
+        if forward is not None:
+            verdict.forward_s, verdict.batch_tokens = forward.seconds, forward.tokens
         return verdict

@@ -77,7 +77,15 @@ class RemoteDraftSession:
         p = (await self.stream.ask(req, timeout)).proposal
         if len(p.tokens) != gamma:
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
-        return Proposal(list(p.tokens), None, p.cache_len, packed=p.q, compute_s=p.compute_s)
+        return Proposal(
+            list(p.tokens),
+            None,
+            p.cache_len,
+            packed=p.q,
+            compute_s=p.compute_s,
+            forward_s=p.forward_s,
+            batch_tokens=p.batch_tokens,
+        )
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:
         req = draft_pb2.DraftRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
@@ -120,6 +128,8 @@ class RemoteTargetSession:
             bonus_token=r.bonus_token,
             cache_len=r.cache_len,
             compute_s=r.compute_s,
+            forward_s=r.forward_s,
+            batch_tokens=r.batch_tokens,
             cdf_below=list(r.cdf_below) if pit else None,
             p_at=list(r.p_at) if pit else None,
             p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,

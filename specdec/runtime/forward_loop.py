@@ -71,6 +71,8 @@ class ForwardLoop:
         self._waiting: list[_Pending] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # The forward a job just came out of (read by the job as it resumes).
+        self.last_batch = BatchStats(0, 0, 0.0, [], [])
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._drive())
@@ -158,6 +160,13 @@ class ForwardLoop:
         if logits and logits[0].is_cuda:  # time the work, not the launch
             torch.cuda.synchronize(logits[0].device)
         seconds = time.perf_counter() - start
+        self.last_batch = stats = BatchStats(
+            sessions=len(batch),
+            tokens=sum(len(f.tokens) for _, f in batch),
+            seconds=seconds,
+            queue_waits=waits,
+            kinds=[p.kind for p, _ in batch],
+        )
         for (p, feed), out in zip(batch, logits, strict=True):
             if feed is not p.feed:  # a chunk: the remainder stays queued
                 p.feed = Feed(p.feed.kv, p.feed.tokens[len(feed.tokens) :], p.feed.logits)
@@ -169,15 +178,7 @@ class ForwardLoop:
             except Exception as e:
                 self._finish(p, error=e)
         if self.on_batch is not None:
-            self.on_batch(
-                BatchStats(
-                    sessions=len(batch),
-                    tokens=sum(len(f.tokens) for _, f in batch),
-                    seconds=seconds,
-                    queue_waits=waits,
-                    kinds=[p.kind for p, _ in batch],
-                )
-            )
+            self.on_batch(stats)
 
     def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
         self._waiting = [w for w in self._waiting if w is not p]

@@ -40,13 +40,17 @@ class Propose(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("tokens", "q", "cache_len", "compute_s")
+    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _common_pb2.PackedQ
     cache_len: int
     compute_s: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    forward_s: float
+    batch_tokens: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ...) -> None: ...
