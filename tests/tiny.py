@@ -117,7 +117,9 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2", "phi3", "gpt_neox", "
 WINDOW = 8
 
 
-def family_config(kind: str, layers: int, width: int, eos_id: int | None) -> PretrainedConfig:
+def family_config(
+    kind: str, layers: int, width: int, eos_id: int | None, vocab: int | None = None
+) -> PretrainedConfig:
     """A tiny config of family ``kind`` (4 heads, 2 key/value heads where the family has GQA).
 
     Windowed families get a window of WINDOW tokens: Mistral and Phi-3 on every layer,
@@ -125,7 +127,7 @@ def family_config(kind: str, layers: int, width: int, eos_id: int | None) -> Pre
     Gemma-2 alternating sliding and global, with soft-capped attention scores (cap 3,
     with weights large enough for the cap to change them) and soft-capped logits.
     """
-    v = vocab_size()
+    v = vocab or vocab_size()
     ids = dict(eos_token_id=eos_id, bos_token_id=None, pad_token_id=None)
     llama_like = dict(
         vocab_size=v,
@@ -190,16 +192,18 @@ def build_family(
     eos: bool = False,
     dtype: torch.dtype = torch.float32,
     perturb: float = 0.0,
+    pieces: bool = False,
 ) -> Path:
     """A random causal LM of family ``kind`` (see FAMILIES) saved with the char tokenizer.
 
     ``perturb`` adds Gaussian noise of that many times each weight tensor's standard
     deviation (seeded by ``seed + 1000``): a draft that agrees with its target often,
-    but not always.
+    but not always. ``pieces``: the multi-character tokenizer (``build_piece_tokenizer``).
     """
     torch.manual_seed(seed)
-    eos_id = vocab_size() - 1 if eos else None
-    model = AutoModelForCausalLM.from_config(family_config(kind, layers, width, eos_id))
+    v = len(PIECES) + 1 if pieces else vocab_size()
+    eos_id = v - 1 if eos else None
+    model = AutoModelForCausalLM.from_config(family_config(kind, layers, width, eos_id, v))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
         if perturb:
@@ -211,14 +215,38 @@ def build_family(
     model.generation_config.pad_token_id = eos_id
     out.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(out)
-    build_tokenizer(out)
+    (build_piece_tokenizer if pieces else build_tokenizer)(out)
     return out
 
 
-def build_family_pair(root: Path, kind: str, perturb: float = 0.1) -> tuple[Path, Path]:
+def build_family_pair(
+    root: Path, kind: str, perturb: float = 0.1, pieces: bool = False
+) -> tuple[Path, Path]:
     """(draft dir, target dir) of family ``kind``: the draft is the 2-layer target
     with noise on its weights, so that drafts are accepted often but not always
     (a random 1-layer draft would be rejected at almost every position)."""
-    target = build_family(kind, root / f"{kind}-target", seed=1)
-    draft = build_family(kind, root / f"{kind}-draft", seed=1, perturb=perturb)
+    target = build_family(kind, root / f"{kind}-target", seed=1, pieces=pieces)
+    draft = build_family(kind, root / f"{kind}-draft", seed=1, perturb=perturb, pieces=pieces)
     return draft, target
+
+
+# ---- a tokenizer of multi-character tokens -------------------------------------------------
+# Single characters and longer pieces, so that a stop string can start in the middle of a
+# token (the character tokenizer cannot show that).
+PIECES = list(string.ascii_lowercase[:12]) + [
+    " ", ".", "the", " and", "ing", "er", "on", "st", " of", "ed", "abc", "cab",
+    "ll", "ee", " to", "ion", "ent", "at", "he", "in", "ou", "es",
+]  # fmt: skip
+
+
+def build_piece_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    """A WordLevel tokenizer over PIECES (ids 0..len-1) and EOS (the last id); decoding
+    concatenates the pieces. Prompts are given as token ids."""
+    vocab = {p: i for i, p in enumerate(PIECES)}
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=EOS, eos_token=EOS)
+    fast.save_pretrained(out)
+    return fast
