@@ -28,6 +28,7 @@ forward (``specdec.runtime.forward_loop``), or sessions' lifetimes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ from specdec.errors import FailedPrecondition, Unsupported
 
 ATTENTION = "specdec_ragged"
 _MIN_CAPACITY = 64
-# Attention arguments a model may pass that change the math; anything else
+# Attention arguments a model may pass that we understand; anything else
 # unknown (e.g. attention sinks) makes the model unsupported, loudly.
 _KNOWN_KWARGS = {
     "position_ids",
@@ -51,13 +52,16 @@ _KNOWN_KWARGS = {
 # The start-up self-test: tokens fed (more than the tests' sliding windows), and the
 # largest disagreement with the model's own forward it accepts, relative to the spread
 # (standard deviation) of the model's logits. A packed forward rounds differently from
-# a plain one by far less than this; a wrong mask, position or scale is off by more.
+# a plain one by far less than this (on the tests' models: 1e-6 of the spread in
+# float32, 0.002 in float16, 0.01-0.02 in bfloat16; deep models and GPU kernels such as
+# TF32 accumulate more, hence the margin); a wrong mask, position or scale is off by
+# the order of the spread itself.
 _SELF_TEST_TOKENS = 24
 _SELF_TEST_TOLERANCE = {
     torch.float64: 1e-6,
-    torch.float32: 1e-3,
-    torch.float16: 0.05,
-    torch.bfloat16: 0.1,
+    torch.float32: 1e-2,
+    torch.float16: 0.125,
+    torch.bfloat16: 0.25,
 }
 
 
@@ -296,11 +300,15 @@ class RaggedRunner:
                 f"model type {self.model_type}: its attention cannot run in the ragged "
                 f"runtime ({type(e).__name__}: {e})"
             ) from e
-        pairs = [(got_a, want[n - 6 :]), (got_b, want[3:5]), (got_last, want[n - 1 :])]
-        spread = float(want.std()) or 1.0
-        err = max(float((got.double() - w).abs().max()) for got, w in pairs) / spread
+        got = torch.cat([got_a, got_b, got_last]).double()  # [9, V]
+        want = torch.cat([want[n - 6 :], want[3:5], want[n - 1 :]])  # [9, V]
+        finite = want.isfinite()  # a model may mask tokens out with -inf
+        spread = float(want[finite].std()) or 1.0
+        err = float((got - want)[finite].abs().max()) / spread
+        if not torch.equal(got.isfinite(), finite):
+            err = math.inf
         dtype = next(self.model.parameters()).dtype
-        tolerance = _SELF_TEST_TOLERANCE.get(dtype, 0.1)
+        tolerance = _SELF_TEST_TOLERANCE.get(dtype, 0.25)
         if not err <= tolerance:
             raise Unsupported(
                 f"model type {self.model_type}: the ragged forward differs from the "
