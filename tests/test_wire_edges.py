@@ -33,10 +33,11 @@ def test_64_bit_seeds_through_grpc_and_in_process_draw_the_same(llama_stack, lla
         async with in_process(*llama_pair, wire_top_k=WIRE_TOP_K) as system:
             return [(await system.generate(seed=s, **fields))[0] for s in SEEDS]
 
-    assert here_outs(here) == [outs[s] for s in SEEDS]
+    assert _on_one_thread(here) == [outs[s] for s in SEEDS]
 
 
-def here_outs(scenario):
+def _on_one_thread(scenario):
+    """asyncio.run(scenario()) with torch on one thread (tiny models run fastest so)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
