@@ -77,7 +77,7 @@ def test_generation_stops_at_the_first_of_any_eos_id_like_generate(tmp_path, lay
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            async with in_process(draft, target) as system:
+            async with in_process(draft, target, draft_timeout_s=60) as system:
                 for info in (system.verifier.info, system.drafter.info):
                     assert sorted(info.eos_token_ids) == want_ids
                     assert info_from_pb(info_to_pb(info)).eos_token_ids == info.eos_token_ids

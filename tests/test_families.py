@@ -74,7 +74,7 @@ def test_greedy_equals_the_models_own_generate(family_pair, kind):
 
     async def scenario():
         drafted = accepted = 0
-        async with in_process(draft, target) as system:
+        async with in_process(draft, target, draft_timeout_s=60) as system:
             for gamma in (1, 4, 7):
                 got, _, stats = await system.generate(
                     prompt=ids, max_new_tokens=NEW_TOKENS, temperature=0.0, gamma=gamma

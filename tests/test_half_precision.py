@@ -82,6 +82,8 @@ def test_half_precision_parts_from_generate_only_at_near_ties(tmp_path, dtype):
         drafter = Drafter(cfg.draft, load_model(str(draft_dir), **half), tokenizer)
         verifier.start()
         drafter.start()
+        # Half precision is slow on a CPU: never let a slow draft turn into a fallback.
+        cfg.orchestrator.draft_timeout_s = 60.0
         orch = Orchestrator(cfg, tokenizer, *local_pools(drafter, verifier))
         await orch.connect()
         assert orch.target_info.dtype == dtype

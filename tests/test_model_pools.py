@@ -109,6 +109,7 @@ async def pool_of(draft_dir, first_dir, second_dir):
         target=ModelServiceConfig(model=str(first_dir)),
     )
     cfg.orchestrator.target_retry_s = 1.0
+    cfg.orchestrator.draft_timeout_s = 60.0  # a loaded machine's slow draft is not the point
     tokenizer = load_tokenizer(str(first_dir))
     services = [
         Verifier(ModelServiceConfig(model=str(first_dir)), load_model(str(first_dir)), tokenizer),

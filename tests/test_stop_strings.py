@@ -72,7 +72,7 @@ def test_a_stop_string_starting_mid_token_cuts_before_that_token(piece_pair):
 
     async def scenario():
         nonlocal mid_token_cuts
-        async with in_process(draft, target) as system:
+        async with in_process(draft, target, draft_timeout_s=60) as system:
             for seed in range(8):
                 fields = dict(max_new_tokens=N, temperature=0.0 if seed == 0 else 1.0, seed=seed)
                 fields["gamma"] = 4
