@@ -23,8 +23,9 @@ from specdec.v1 import common_pb2
 # Version of the draft/target session protocol (ModelInfo.protocol_version).
 PROTOCOL_VERSION = 2
 # Temperatures below this are refused by the services; the orchestrator treats
-# them as greedy (logits / 1e-37 overflow to inf).
-MIN_TEMPERATURE = 1e-4
+# them as greedy (logits / 1e-37 overflow to inf). It is 1e-4 as the wire's float32
+# carries it, so that a client's 1e-4 is allowed.
+MIN_TEMPERATURE = float(np.float32(1e-4))
 DEFAULT_Q_BITS = 16
 MAX_Q_BITS = 30
 _ESCAPE = 255

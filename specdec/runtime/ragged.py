@@ -15,12 +15,20 @@ implementation: each session's queries attend only to that session's keys,
 causally. No padding, no copy of any cache, no mask materialized for a
 one-token step.
 
+Which models it serves is decided at start-up, not mid-request: the runner
+checks a packed forward (two sessions, a rollback, a decode step) against the
+model's own forward on a few tokens and refuses, naming the model type, a
+model it cannot serve (attention sinks, ALiBi, recurrent or linear-attention
+layers, bidirectional masks, chunked attention, ...). Tested families and
+their caveats: ``docs/models.md``.
+
 Not for: sampling (``specdec.sampling``), scheduling which sessions share a
 forward (``specdec.runtime.forward_loop``), or sessions' lifetimes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +39,30 @@ from specdec.errors import FailedPrecondition, Unsupported
 
 ATTENTION = "specdec_ragged"
 _MIN_CAPACITY = 64
-# Attention arguments a model may pass that change the math; anything else
+# Attention arguments a model may pass that we understand; anything else
 # unknown (e.g. attention sinks) makes the model unsupported, loudly.
-_KNOWN_KWARGS = {"position_ids", "cache", "use_cache", "output_attentions", "is_causal"}
+_KNOWN_KWARGS = {
+    "position_ids",
+    "cache",
+    "use_cache",
+    "output_attentions",
+    "is_causal",
+    "output_router_logits",  # mixture-of-experts models pass it down; attention ignores it
+}
+# The start-up self-test: tokens fed (more than the tests' sliding windows), and the
+# largest disagreement with the model's own forward it accepts, relative to the spread
+# (standard deviation) of the model's logits. A packed forward rounds differently from
+# a plain one by far less than this (on the tests' models: 1e-6 of the spread in
+# float32, 0.002 in float16, 0.01-0.02 in bfloat16; deep models and GPU kernels such as
+# TF32 accumulate more, hence the margin); a wrong mask, position or scale is off by
+# the order of the spread itself.
+_SELF_TEST_TOKENS = 24
+_SELF_TEST_TOLERANCE = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-2,
+    torch.float16: 0.125,
+    torch.bfloat16: 0.25,
+}
 
 
 class SessionKV:
@@ -211,15 +240,81 @@ class Feed:
 class RaggedRunner:
     """A causal LM run over packed rows of many sessions' new tokens."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, self_test: bool = True) -> None:
         self.model = model
+        config = model.config
+        self.model_type = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
         # The ragged attention is switched on for our forwards only: the same model
         # object keeps working with generate() and its own caches elsewhere.
-        self._default = model.config._attn_implementation
-        model.set_attn_implementation(ATTENTION)  # validates that the model accepts it
-        model.config._attn_implementation = self._default
+        self._default = config._attn_implementation
+        try:
+            model.set_attn_implementation(ATTENTION)  # validates that the model accepts it
+        except Exception as e:
+            raise Unsupported(
+                f"model type {self.model_type}: does not accept a custom attention "
+                f"implementation ({type(e).__name__}: {e})"
+            ) from e
+        finally:
+            config._attn_implementation = self._default
+        if getattr(config, "attention_chunk_size", None):
+            raise Unsupported(
+                f"model type {self.model_type}: chunked attention (attention_chunk_size="
+                f"{config.attention_chunk_size}) is not supported"
+            )
         self.device = next(model.parameters()).device
-        self.vocab_size: int = model.config.vocab_size
+        self.vocab_size: int = config.vocab_size
+        if self_test:
+            self.self_test()
+
+    def self_test(self) -> None:
+        """Refuse a model whose packed forward differs from its own forward.
+
+        Two sessions share one forward, one of them after a rolled-back draft, then
+        a one-token decode step; every logit is compared with the model's own
+        forward (its default attention, no cache) over the same tokens. Any
+        exception or a disagreement over the tolerance raises ``Unsupported``
+        naming the model type, so that a family this runtime cannot serve is
+        refused when the service starts, never in the middle of a request.
+        """
+        n = _SELF_TEST_TOKENS
+        tokens = [(7919 * i + 11) % self.vocab_size for i in range(n)]
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([tokens], device=self.device)
+                want = self.model(input_ids=ids, use_cache=False).logits[0].double()  # [n, V]
+        except Exception as e:
+            raise Unsupported(
+                f"model type {self.model_type}: its own forward fails on {n} tokens "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        a, b = SessionKV(), SessionKV()
+        try:
+            self.forward([Feed(a, tokens[: n - 6], 0)])
+            self.forward([Feed(a, tokens[:3], 1)])  # a draft, then rejected
+            a.truncate(n - 6)
+            got_a, got_b = self.forward([Feed(a, tokens[n - 6 :], 6), Feed(b, tokens[:5], 2)])
+            a.truncate(n - 1)
+            (got_last,) = self.forward([Feed(a, tokens[n - 1 :], 1)])
+        except Exception as e:
+            raise Unsupported(
+                f"model type {self.model_type}: its attention cannot run in the ragged "
+                f"runtime ({type(e).__name__}: {e})"
+            ) from e
+        got = torch.cat([got_a, got_b, got_last]).double()  # [9, V]
+        want = torch.cat([want[n - 6 :], want[3:5], want[n - 1 :]])  # [9, V]
+        finite = want.isfinite()  # a model may mask tokens out with -inf
+        spread = float(want[finite].std()) or 1.0
+        err = float((got - want)[finite].abs().max()) / spread
+        if not torch.equal(got.isfinite(), finite):
+            err = math.inf
+        dtype = next(self.model.parameters()).dtype
+        tolerance = _SELF_TEST_TOLERANCE.get(dtype, 0.25)
+        if not err <= tolerance:
+            raise Unsupported(
+                f"model type {self.model_type}: the ragged forward differs from the "
+                f"model's own by {err:.3g} of the logits' spread (at most {tolerance:g} "
+                f"in {str(dtype).removeprefix('torch.')}); its attention is not supported"
+            )
 
     @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
