@@ -58,6 +58,9 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     judged: int = 0
+    steps_s: float = 0.0
+    draft_forward_s: float = 0.0
+    target_forward_s: float = 0.0
     generated: int = 0
     round_trips: int = 0
     wire_bytes: int = 0
@@ -263,13 +266,38 @@ class Orchestrator:
             metrics.QUEUED_REQUESTS.set(self.queued)
         self.live += 1
         metrics.LIVE_REQUESTS.set(self.live)
+        # The loop runs as its own task and hands chunks over a queue: sending a
+        # chunk to the client overlaps the next step's calls instead of delaying them.
+        queue: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.get_running_loop().create_task(
+            _produce(Generation(self, spec, start, deadline).run(), queue)
+        )
         try:
-            async for item in Generation(self, spec, start, deadline).run():
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
                 yield item
         finally:
+            if not producer.done():
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
             self.live -= 1
             metrics.LIVE_REQUESTS.set(self.live)
             self._slots.release()
+
+
+_END = object()
+
+
+async def _produce(items: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Put every item of ``items`` on ``queue``, then _END (or the exception)."""
+    try:
+        async for item in items:
+            queue.put_nowait(item)
+    except Exception as e:
+        queue.put_nowait(e)
+    else:
+        queue.put_nowait(_END)
 
 
 class Generation:
@@ -414,7 +442,9 @@ class Generation:
         proposal drafted in this step (None when it was drafted during the last
         verify, whose time overlapped)."""
         cost = self.orch.cost
+        self.stats.target_forward_s += verdict.forward_s
         if drafted is not None:
+            self.stats.draft_forward_s += drafted.forward_s
             cost.observe_draft(
                 len(drafted.tokens),
                 t_propose,
@@ -435,6 +465,7 @@ class Generation:
     ) -> None:
         s = self.stats
         s.steps += 1
+        s.steps_s += total
         s.drafted += gamma
         s.judged += n + (n < gamma)
         self.gammas[gamma] += 1

@@ -42,6 +42,9 @@ def stats_to_pb(s: Stats) -> orchestrator_pb2.GenerationStats:
         mean_gamma=s.mean_gamma,
         overlapped_steps=s.overlapped_steps,
         judged_tokens=s.judged,
+        steps_s=s.steps_s,
+        draft_forward_s=s.draft_forward_s,
+        target_forward_s=s.target_forward_s,
     )
 
 

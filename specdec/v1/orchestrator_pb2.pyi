@@ -71,7 +71,7 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "time_to_first_token_s", "tokens_per_second", "total_time_s", "finish_reason", "gamma", "wire_bytes_per_token", "round_trips", "fallback_steps", "adaptive", "mean_gamma", "overlapped_steps", "judged_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "time_to_first_token_s", "tokens_per_second", "total_time_s", "finish_reason", "gamma", "wire_bytes_per_token", "round_trips", "fallback_steps", "adaptive", "mean_gamma", "overlapped_steps", "judged_tokens", "steps_s", "draft_forward_s", "target_forward_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,9 @@ class GenerationStats(_message.Message):
     MEAN_GAMMA_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     JUDGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     steps: int
@@ -110,7 +113,10 @@ class GenerationStats(_message.Message):
     mean_gamma: float
     overlapped_steps: int
     judged_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_time_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., wire_bytes_per_token: _Optional[float] = ..., round_trips: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., adaptive: _Optional[bool] = ..., mean_gamma: _Optional[float] = ..., overlapped_steps: _Optional[int] = ..., judged_tokens: _Optional[int] = ...) -> None: ...
+    steps_s: float
+    draft_forward_s: float
+    target_forward_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_time_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., wire_bytes_per_token: _Optional[float] = ..., round_trips: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., adaptive: _Optional[bool] = ..., mean_gamma: _Optional[float] = ..., overlapped_steps: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., steps_s: _Optional[float] = ..., draft_forward_s: _Optional[float] = ..., target_forward_s: _Optional[float] = ...) -> None: ...
 
 class OrchestratorInfoRequest(_message.Message):
     __slots__ = ()
