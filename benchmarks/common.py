@@ -181,6 +181,7 @@ def start_services(
     }
     # Generous: a benchmark must not fall back to plain decoding on a slow step.
     sections["orchestrator"] = {"draft_timeout_s": 10.0, "max_concurrent_requests": 32}
+    out.mkdir(parents=True, exist_ok=True)
     path, cfg = write_config(out, draft, target, **sections)
     (out / "services.yaml").write_text(path.read_text())
     log_dir = out / "logs"
@@ -200,23 +201,15 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def generate(
-        self,
-        prompt: str,
-        max_new_tokens: int,
-        temperature: float,
-        gamma: int,
-        seed: int,
-        dense: bool = False,
-    ) -> dict:
-        req = orchestrator_pb2.GenerateRequest(
-            text=prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            gamma=gamma,
-            seed=seed,
-            dense=dense,
-        )
+    def generate(self, prompt: str | list[int], max_new_tokens: int, **fields) -> dict:
+        """One Generate. ``fields``: GenerateRequest fields (temperature, gamma, overlap,
+        seed, dense, ...); a gamma or seed of None is left unset."""
+        fields = {k: v for k, v in fields.items() if v is not None}
+        req = orchestrator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **fields)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
         t0 = time.perf_counter()
         tokens, stats = 0, None
         for msg in self.stub.Generate(req, timeout=600):
@@ -225,18 +218,25 @@ class Client:
             else:
                 stats = msg.stats
         wall = time.perf_counter() - t0
+        s = stats
         return {
-            "tokens": stats.generated_tokens if stats else tokens,
+            "tokens": s.generated_tokens if s else tokens,
             "wall_s": wall,
-            "server_s": stats.total_time_s,
-            "ttft_s": stats.time_to_first_token_s,
-            "steps": stats.steps,
-            "drafted": stats.drafted_tokens,
-            "accepted": stats.accepted_tokens,
-            "wire_bytes": stats.wire_bytes_per_token * stats.generated_tokens,
-            "round_trips": stats.round_trips,
-            "fallback_steps": stats.fallback_steps,
-            "finish": stats.finish_reason,
+            "server_s": s.total_time_s,
+            "ttft_s": s.time_to_first_token_s,
+            "steps": s.steps,
+            "drafted": s.drafted_tokens,
+            "accepted": s.accepted_tokens,
+            "judged": s.judged_tokens,
+            "wire_bytes": s.wire_bytes_per_token * s.generated_tokens,
+            "round_trips": s.round_trips,
+            "fallback_steps": s.fallback_steps,
+            "overlapped_steps": s.overlapped_steps,
+            "gamma_sum": s.mean_gamma * s.steps,
+            "steps_s": s.steps_s,
+            "draft_forward_s": s.draft_forward_s,
+            "target_forward_s": s.target_forward_s,
+            "finish": s.finish_reason,
         }
 
 

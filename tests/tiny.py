@@ -250,3 +250,38 @@ def build_piece_tokenizer(out: Path) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=EOS, eos_token=EOS)
     fast.save_pretrained(out)
     return fast
+
+
+def build_large_vocab_pair(root: Path, vocab: int = 151_936) -> tuple[Path, Path]:
+    """(draft dir, target dir): tiny random Qwen2 models with Qwen2.5's vocabulary size,
+    and a word-level tokenizer of that many tokens (for wire-size measurements)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    pieces = {f"t{i}": i for i in range(vocab - 2)}
+    pieces[UNK] = vocab - 2
+    pieces[EOS] = vocab - 1
+    tok = Tokenizer(models.WordLevel(pieces, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, eos_token=EOS)
+    out = []
+    for name, layers, seed in (("draft", 1, 2), ("target", 2, 1)):
+        torch.manual_seed(seed)
+        cfg = Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            eos_token_id=None,
+            bos_token_id=None,
+        )
+        model = Qwen2ForCausalLM(cfg)
+        path = root / f"qwen-{vocab}-{name}"
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path)
+        fast.save_pretrained(path)
+        out.append(path)
+    return out[0], out[1]

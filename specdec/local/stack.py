@@ -302,6 +302,11 @@ class Stack:
         wait_healthy(address, 300, [proc])
         return address, mport
 
+    def pin_extra(self, core: int) -> None:
+        """Run the extra orchestrators on this CPU."""
+        for proc in self.extra:
+            os.sched_setaffinity(proc.pid, {core})
+
     def stop_extra(self) -> None:
         stop_local(self.extra)
         self.extra = []
