@@ -354,8 +354,13 @@ def run_chaos(
         hung = load.join(max(0.0, stop_at - time.monotonic()) + REQUEST_TIMEOUT_S + 30)
         sampling.set()
         sampler.join(10)
-        served = cluster.metric("orchestrator", "specdec_requests_total") - served_before
         leftovers = settle(cluster)
+        deadline = time.monotonic() + 10  # the last counts land just after the last answers
+        while True:
+            served = cluster.metric("orchestrator", "specdec_requests_total") - served_before
+            if served >= len(load.outcomes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         log("load over; every client answered" if not hung else f"{len(hung)} clients hung")
         report = summarize(load.outcomes, kills, rss, hung, served, leftovers)
         report["restart_errors"] = errors

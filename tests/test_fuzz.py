@@ -1,11 +1,13 @@
 """Property-based fuzzing of every public RPC through real services (hypothesis).
 
 Each test drives one RPC with generated requests: random field values,
-boundary numbers, NaN and infinities, huge repeated fields, live and unknown
-session ids, wrong cache lengths, malformed packed distributions (sizes,
-escapes, counts, bits, duplicate ids, tails) and session messages in the
-wrong order. An *oracle* written from the proto comments (not from the
-services' code) predicts each outcome:
+boundary numbers, NaN and infinities, huge repeated fields, session ids that
+are live, empty, too long or odd, wrong cache lengths, malformed packed
+distributions (sizes, escapes, counts, bits, duplicate ids, tails) and session
+messages in the wrong order. (A session is its stream: after ``open`` no
+message names a session, so there is no "unknown session id" to send.)
+An *oracle* written from the proto comments (not from the services' code)
+predicts each outcome:
 
 * a valid message gets its reply, and the reply is checked (cache lengths,
   token counts, q_i(x_i) read from the q that was sent, a draft's q decoded
