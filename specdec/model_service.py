@@ -22,6 +22,7 @@ from specdec.runtime.loading import (
     load_model,
     load_tokenizer,
     model_fingerprint,
+    position_limit,
     set_threads,
     tokenizer_fingerprint,
 )
@@ -53,6 +54,9 @@ class ModelService:
         self.tokenizer = tokenizer
         if tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        # A session may not outgrow the model's table of positions (past it the forward
+        # fails, and with it every session sharing that forward).
+        self.max_context = min(cfg.max_context, position_limit(self.model) or cfg.max_context)
         self.runner = RaggedRunner(self.model)
         self.vocab_size = self.runner.vocab_size
         self.sessions = SessionStore(self.role, cfg.max_sessions)
@@ -65,7 +69,7 @@ class ModelService:
             device=cfg.device,
             architecture=type(self.model).__name__,
             eos_token_ids=tuple(eos_token_ids(self.model)),
-            max_context=cfg.max_context,
+            max_context=self.max_context,
             model_fingerprint=model_fingerprint(cfg.model, self.model, cfg.dtype),
             server_version=specdec.__version__,
             protocol_version=PROTOCOL_VERSION,
@@ -116,9 +120,9 @@ class ModelService:
 
     def check_room(self, field: str, needed: int) -> None:
         require(
-            needed <= self.cfg.max_context,
+            needed <= self.max_context,
             field,
-            f"the session would hold {needed} tokens, over max_context {self.cfg.max_context}",
+            f"the session would hold {needed} tokens, over max_context {self.max_context}",
         )
 
     def roll_back_to(self, session: Session, cache_len: int) -> int:

@@ -89,6 +89,15 @@ def eos_token_ids(model) -> list[int]:
     return ids
 
 
+def position_limit(model) -> int | None:
+    """Most positions the model can embed: the size of its table of absolute positions
+    (GPT-2's ``n_positions``), or None for rotary models, which have no such table."""
+    if any("Rotary" in type(m).__name__ for m in model.modules()):
+        return None
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
 def model_fingerprint(path: str, model, dtype: str) -> str:
     """SHA-256 over the config, a sample of every weight file and the served dtype.
 
