@@ -26,7 +26,12 @@ class CircuitBreaker:
             self.open_until = 0.0
 
     def failure(self, now: float | None = None) -> None:
+        """A call failed. While the breaker is already open the outage is already
+        counted: many requests failing at once (all in flight when a replica died)
+        count once, so the back-off doubles per failed trial, not per request."""
         now = time.monotonic() if now is None else now
+        if now < self.open_until:
+            return
         delay = min(self.retry_after_s * 2**self.failures, self.retry_max_s)
         self.failures += 1
         self.open_until = now + delay

@@ -149,6 +149,20 @@ class ReplicaPool:
         ]
         return min(usable, key=lambda r: (r.pinned, r.address)) if usable else None
 
+    def pick_trial(self, tried: set[str], model: str | None = None) -> Replica | None:
+        """A replica to try although its breaker is open (none is usable): the one
+        whose back-off ends first, among those not tried yet. A replica that came
+        back must not stay unused behind its breaker while requests fail."""
+        candidates = [
+            r
+            for r in self.replicas.values()
+            if r.info is not None
+            and not r.gone
+            and r.address not in tried
+            and (model is None or r.info.model_fingerprint == model)
+        ]
+        return min(candidates, key=lambda r: r.breaker.open_until) if candidates else None
+
     def any_usable(self) -> bool:
         return any(r.usable() for r in self.replicas.values())
 

@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.errors import DeadlineExceeded, InvalidArgument, SessionLost, SpecdecError, Unavailable
+from specdec import metrics
+from specdec.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    SessionLost,
+    SpecdecError,
+    Unavailable,
+)
 from specdec.sampling import Proposal, SamplingParams, Verdict
 from specdec.wire import WireShape
 
@@ -192,8 +200,8 @@ class DraftLink(_Link):
             self.replica.address if self.replica else "?",
             reason,
         )
-        if self.replica is not None:
-            self.replica.breaker.failure()
+        if self.replica is not None and not isinstance(e, Internal):
+            self.replica.breaker.failure()  # an outage, not this request's own failure
         self.drop_session()
         self.unpin()
         if fallback:
@@ -229,20 +237,26 @@ class TargetLink(_Link):
         )
 
     async def open(self) -> None:
-        """Pin the least-loaded replica and prefill; a new request fails fast."""
+        """Pin the least-loaded replica and prefill; a new request fails fast (after
+        trying every replica once, those behind an open breaker last)."""
         tried: set[str] = set()
         while True:
             replica = self.pool.pick(model=self.model)
             if replica is None or replica.address in tried:
+                replica = self.pool.pick_trial(tried, self.model)
+            if replica is None:
                 raise Unavailable(f"target: no healthy replica at {self.pool.spec}")
             tried.add(replica.address)
             self.pin(replica)
-            self.model = replica.info.model_fingerprint
             try:
-                return await self._open()
+                await self._open()
             except Unavailable:
                 replica.breaker.failure()
                 self.drop_session()
+                continue
+            # From its first token on, the request stays on this model.
+            self.model = replica.info.model_fingerprint
+            return
 
     async def verify(
         self, proposal: Proposal | None, seed: int, dense_p: bool, pit: bool = False
@@ -273,14 +287,24 @@ class TargetLink(_Link):
                 if isinstance(e, DeadlineExceeded):
                     raise
                 # Another replica of the same model if there is one (re-prefilled
-                # from the history); otherwise wait for this one to come back.
+                # from the history; one behind an open breaker too, as a trial);
+                # otherwise wait for this one to come back.
                 self.replica.breaker.failure()
                 self.drop_session()
                 other = self.pool.pick(exclude=self.replica, model=self.model)
+                if other is None:
+                    other = self.pool.pick_trial({self.replica.address}, self.model)
                 if other is not None:
+                    log.warning(
+                        "target %s unavailable: request %s moves to %s",
+                        self.replica.address,
+                        self.session_id,
+                        other.address,
+                    )
+                    metrics.TARGET_FAILOVERS.inc()
                     self.pin(other)
-            except InvalidArgument:
-                raise
+            except (InvalidArgument, Internal):
+                raise  # this request's own failure: no retry, no breaker
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 

@@ -51,6 +51,11 @@ class DeadlineExceeded(SpecdecError):
     """A deadline passed: the request's, or a session's idle time."""
 
 
+class Internal(SpecdecError):
+    """A service failed on this request (a bug, not an outage): the request fails,
+    the replica is not taken out of rotation."""
+
+
 class SessionLost(SpecdecError):
     """A model service no longer holds a session as the caller knows it (it
     restarted, or the cache length disagrees): re-open it from the history."""

@@ -153,6 +153,12 @@ PIT_TOKENS = Counter(
     "Live exactness monitor: emitted tokens whose PIT value was checked.",
     registry=None,
 )
+TARGET_FAILOVERS = Counter(
+    "specdec_target_failovers_total",
+    "Requests moved to another target replica of the same model (re-prefilled from their "
+    "history) because theirs became unreachable.",
+    registry=None,
+)
 SPECULATION_ENABLED = Gauge(
     "specdec_speculation_enabled",
     "1 while the draft is in use, 0 while the breaker is open.",
@@ -265,6 +271,7 @@ _ORCHESTRATOR_METRICS = (
     PIT_CHI2,
     PIT_WINDOW,
     PIT_TOKENS,
+    TARGET_FAILOVERS,
 )
 _MODEL_METRICS = (
     FORWARD_DURATION,

@@ -22,6 +22,7 @@ STATUS = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
     errors.SessionLost: grpc.StatusCode.UNAVAILABLE,
+    errors.Internal: grpc.StatusCode.INTERNAL,
 }
 # What a failed call to a model service means to its caller.
 _FROM_CODE = {
@@ -31,6 +32,8 @@ _FROM_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.UNAUTHENTICATED: errors.Unavailable,
+    grpc.StatusCode.INTERNAL: errors.Internal,
+    grpc.StatusCode.UNKNOWN: errors.Internal,
 }
 
 
