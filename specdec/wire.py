@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.errors import require
+from specdec.errors import InvalidArgument, require
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams, SparseQ
 from specdec.v1 import common_pb2
@@ -103,26 +103,29 @@ def _from_bytes(field: str, data: bytes, escapes: Sequence[int]) -> np.ndarray:
 
 def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
     """q_1..q_gamma on the wire (see PackedQ in common.proto)."""
-    deltas, counts, sizes, tails = [], [], [], []
-    for q in qs:
-        order = np.argsort(q.ids, kind="stable")
-        ids = q.ids[order]
-        deltas.append(np.diff(ids, prepend=0))
-        counts.append(q.counts[order])
-        sizes.append(len(ids))
-        tails.append(q.tail)
-    bits = qs[0].bits if qs else DEFAULT_Q_BITS
+    if not qs:
+        return common_pb2.PackedQ(bits=DEFAULT_Q_BITS)
+    bits = qs[0].bits
     if any(q.bits != bits for q in qs):
         raise ValueError("every q of one draft is quantized to the same bits")
-    id_bytes, id_esc = _bytes_with_escapes(np.concatenate(deltas) if deltas else np.zeros(0, int))
-    c_bytes, c_esc = _bytes_with_escapes(np.concatenate(counts) if counts else np.zeros(0, int))
+    sizes = [len(q.ids) for q in qs]
+    ids = np.concatenate([q.ids for q in qs])  # [total]
+    counts = np.concatenate([q.counts for q in qs])
+    row = np.repeat(np.arange(len(qs)), sizes)  # [total] the position of each entry
+    order = np.lexsort((ids, row))  # by position, then by id
+    ids, counts = ids[order], counts[order]
+    deltas = np.diff(ids, prepend=0)
+    starts = np.cumsum(sizes) - sizes  # each position's ids count from 0 again
+    deltas[starts] = ids[starts]
+    id_bytes, id_esc = _bytes_with_escapes(deltas)
+    c_bytes, c_esc = _bytes_with_escapes(counts)
     return common_pb2.PackedQ(
         sizes=sizes,
         id_deltas=id_bytes,
         id_escapes=id_esc,
         counts=c_bytes,
         count_escapes=c_esc,
-        tails=tails,
+        tails=[q.tail for q in qs],
         bits=bits,
     )
 
@@ -147,7 +150,9 @@ def unpack_q(
         return []
     bits = pb.bits or DEFAULT_Q_BITS
     require(1 <= bits <= MAX_Q_BITS, f"{field}.bits", f"must be in [1, {MAX_Q_BITS}], got {bits}")
-    total = int(sum(pb.sizes))
+    sizes = np.asarray(pb.sizes, dtype=np.int64)  # [gamma]
+    tails = np.asarray(pb.tails, dtype=np.int64)
+    total = int(sizes.sum())
     deltas = _from_bytes(f"{field}.id_deltas", pb.id_deltas, pb.id_escapes)
     counts = _from_bytes(f"{field}.counts", pb.counts, pb.count_escapes)
     require(
@@ -155,29 +160,55 @@ def unpack_q(
         field,
         f"sizes add up to {total} entries but there are {len(deltas)} ids and {len(counts)} counts",
     )
+    # Checked for every position at once; a failure names the first bad one.
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    first_bad = {}
+    empty = sizes == 0
+    if empty.any():
+        first_bad[int(np.argmax(empty))] = "lists no token"
+    row = np.repeat(np.arange(gamma), sizes)  # [total]
+    later = np.ones(total, dtype=bool)
+    later[starts[~empty]] = False  # the first entry of a position may have delta 0
+    dup = later & (deltas <= 0)
+    if dup.any():
+        first_bad.setdefault(int(row[np.argmax(dup)]), "duplicate token id (ids must be distinct)")
+    csum = np.cumsum(deltas)  # [total]; each position's ids restart from 0
+    base = np.zeros(gamma, dtype=np.int64)
+    base[1:] = np.where(ends[:-1] > 0, csum[np.maximum(ends[:-1], 1) - 1], 0)
+    ids = csum - np.repeat(base, sizes)
+    outside = ids >= vocab
+    if outside.any():
+        i = int(np.argmax(outside))
+        first_bad.setdefault(
+            int(row[i]), f"token id {int(ids[i])} outside the vocabulary [0, {vocab})"
+        )
+    if (counts <= 0).any():
+        first_bad.setdefault(int(row[np.argmax(counts <= 0)]), "counts must be positive")
+    sums = np.add.reduceat(counts, starts) if total else np.zeros(gamma, np.int64)
+    sums = np.where(empty, 0, sums)
     scale = 1 << bits
-    out, start = [], 0
-    for i, (size, tail, x) in enumerate(zip(pb.sizes, pb.tails, drafts, strict=True)):
-        name = f"{field}[{i}]"
-        d, c = deltas[start : start + size], counts[start : start + size]
-        start += size
-        require(size > 0, name, "lists no token")
-        require(bool((d[1:] > 0).all()), name, "duplicate token id (ids must be distinct)")
-        ids = np.cumsum(d)
-        require(
-            int(ids[-1]) < vocab,
-            name,
-            f"token id {int(ids[-1])} outside the vocabulary [0, {vocab})",
+    off = np.flatnonzero(sums + tails != scale)
+    if off.size:
+        i = int(off[0])
+        first_bad.setdefault(
+            i, f"counts ({int(sums[i])}) plus tail ({int(tails[i])}) must add up to 2^{bits}"
         )
-        require(bool((c > 0).all()), name, "counts must be positive")
+    full = np.flatnonzero((tails > 0) & (sizes >= vocab))
+    if full.size:
+        first_bad.setdefault(int(full[0]), "a tail needs tokens outside the list")
+    if first_bad:
+        i = min(first_bad)
+        raise InvalidArgument(f"{field}[{i}]", first_bad[i])
+    out = []
+    for i, x in enumerate(drafts):
+        s, e = int(starts[i]), int(ends[i])
+        q = SparseQ(ids[s:e], counts[s:e], int(tails[i]), vocab, bits)
         require(
-            int(c.sum()) + tail == scale,
-            name,
-            f"counts ({int(c.sum())}) plus tail ({tail}) must add up to 2^{bits}",
+            q.prob(x) > 0,
+            f"{field}[{i}]",
+            f"drafted token {x} has q = 0; it cannot have been drawn",
         )
-        require(tail == 0 or size < vocab, name, "a tail needs tokens outside the list")
-        q = SparseQ(ids, c, int(tail), vocab, bits)
-        require(q.prob(x) > 0, name, f"drafted token {x} has q = 0; it cannot have been drawn")
         out.append(q)
     return out
 

@@ -543,6 +543,7 @@ class SessionModel:
     length: int = -1  # -1: not open yet
     greedy: bool = False
     wire_top_k: int = 0
+    kept_at: int = -1  # target: the cache length its last pass's logits follow (-1: none)
 
 
 def next_kind(data, s: SessionModel, step: str) -> tuple[str, bool]:
@@ -662,14 +663,17 @@ def target_message(data, s: SessionModel):
     m = target_pb2.TargetRequest(verify=v)
     if s.length >= 0:
         wrong = room_errors(c, c + len(pending) + len(drafts), "draft_tokens")
-        if not tokens_ok(pending, min_len=1):
+        if not tokens_ok(pending):
             wrong.append("pending_tokens")
         if not tokens_ok(drafts) or len(drafts) > MODEL_MAX_GAMMA:
             wrong.append("draft_tokens")
         elif decode_q(v.draft_q, drafts) is None:
             wrong.append("draft_q")
         e = invalid(*wrong) if wrong else Expect()
-        if not wrong and c > s.length:
+        if not wrong and not pending and c != s.kept_at:
+            # No pending token needs the logits the last pass kept at exactly cache_len.
+            e = Expect(PRECONDITION, ("pending_tokens",))
+        elif not wrong and c > s.length:
             e = Expect(PRECONDITION, ("cache_len",))
     return m, e
 
@@ -684,6 +688,8 @@ def check_target_reply(m, reply, s: SessionModel) -> None:
     elif kind == "rollback":
         c = m.rollback.cache_len
         assert (reply.rolled_back.cache_len, reply.rolled_back.removed) == (c, s.length - c)
+        if c < s.length:
+            s.kept_at = -1
         s.length = c
     else:
         v, out = m.verify, reply.verdict
@@ -697,7 +703,7 @@ def check_target_reply(m, reply, s: SessionModel) -> None:
         assert list(out.q_draft) == [q_of(q, x) for q, x in zip(qs, drafts, strict=True)]
         assert tokens_ok(out.residual_tokens) and tokens_ok([out.bonus_token])
         assert len(out.dense_p) == ((gamma + 1) * VOCAB if v.return_dense_p else 0)
-        s.length = out.cache_len
+        s.length = s.kept_at = out.cache_len
 
 
 def drive(f: Fuzz, stub, data, next_message, check_reply, codes: Counter) -> None:
@@ -850,7 +856,9 @@ def expect_generate(r: orchestrator_pb2.GenerateRequest, tokenizer) -> tuple[Exp
     if 0 < p.temperature < MIN_TEMPERATURE:
         p.temperature = 0.0  # vanishing temperatures are greedy
     wrong += params_errors(p, prefix="")
-    gamma = r.gamma if r.HasField("gamma") else 4
+    # gamma unset without a seed: chosen per step, up to max_gamma (room is kept for it)
+    adaptive = not r.HasField("gamma") and not r.HasField("seed")
+    gamma = r.gamma if r.HasField("gamma") else (MAX_GAMMA_REQUEST if adaptive else 4)
     if not 0 <= gamma <= MAX_GAMMA_REQUEST:
         wrong.append("gamma")
     if len(r.stop) > MAX_STOPS or not all(0 < len(s) <= MAX_STOP_CHARS for s in r.stop):
@@ -887,7 +895,10 @@ def test_fuzz_generate(fuzz):
             assert stats.prompt_tokens == prompt_len and tokens_ok(ids)
             assert stats.finish_reason in ("length", "stop"), stats  # the tiny pair has no EOS
             assert len(ids) == r.max_new_tokens or stats.finish_reason == "stop"
-            assert stats.gamma == (r.gamma if r.HasField("gamma") else 4)
+            if not r.HasField("gamma") and not r.HasField("seed"):
+                assert stats.adaptive and 0 <= stats.gamma <= MAX_GAMMA_REQUEST, stats
+            else:
+                assert not stats.adaptive and stats.gamma == (r.gamma if r.HasField("gamma") else 4)
         fuzz.settled()
 
     run()
