@@ -60,6 +60,10 @@ class ModelService:
         self.runner = RaggedRunner(self.model)
         self.vocab_size = self.runner.vocab_size
         self.sessions = SessionStore(self.role, cfg.max_sessions)
+        self._by_kind: dict = {}  # forward-kind -> its metric children, looked up once
+        self._batch_sessions = metrics.BATCH_SESSIONS.labels(role)
+        self._batch_tokens = metrics.BATCH_TOKENS.labels(role)
+        self._queue_wait = metrics.QUEUE_WAIT.labels(role)
         self.loop = ForwardLoop(self.runner, cfg.max_batch_tokens, self._observe_batch)
         self.info = ModelInfo(
             model_id=cfg.model,
@@ -105,14 +109,19 @@ class ModelService:
         await self.loop.aclose()
 
     def _observe_batch(self, b: BatchStats) -> None:
-        kinds = set(b.kinds)
-        kind = kinds.pop() if len(kinds) == 1 else "mixed"
-        metrics.FORWARD_DURATION.labels(self.role, kind).observe(b.seconds)
-        metrics.TOKENS_PROCESSED.labels(self.role, kind).inc(b.tokens)
-        metrics.BATCH_SESSIONS.labels(self.role).observe(b.sessions)
-        metrics.BATCH_TOKENS.labels(self.role).observe(b.tokens)
+        kind = b.kinds[0] if all(k == b.kinds[0] for k in b.kinds) else "mixed"
+        if kind not in self._by_kind:
+            self._by_kind[kind] = (
+                metrics.FORWARD_DURATION.labels(self.role, kind),
+                metrics.TOKENS_PROCESSED.labels(self.role, kind),
+            )
+        duration, tokens = self._by_kind[kind]
+        duration.observe(b.seconds)
+        tokens.inc(b.tokens)
+        self._batch_sessions.observe(b.sessions)
+        self._batch_tokens.observe(b.tokens)
         for wait in b.queue_waits:
-            metrics.QUEUE_WAIT.labels(self.role).observe(wait)
+            self._queue_wait.observe(wait)
 
     # ---- validation ------------------------------------------------------------------
     def check_tokens(self, field: str, tokens, min_len: int = 0) -> list[int]:

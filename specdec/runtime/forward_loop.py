@@ -110,13 +110,13 @@ class ForwardLoop:
         while True:
             if not self._waiting:
                 self._wake.clear()
-                await self._wake.wait()
-            # Let RPCs that arrived during the last forward add their jobs first.
-            await asyncio.sleep(0)
+                await self._wake.wait()  # woken in a later turn of the event loop
+            else:
+                # Let RPCs that arrived during the last forward add their jobs first.
+                await asyncio.sleep(0)
             batch = self._select()
             if batch:
                 self._forward(batch)
-            await asyncio.sleep(0)
 
     def _select(self) -> list[tuple[_Pending, Feed]]:
         """The feeds of the next forward: short ones oldest first, then long ones cut to fit."""

@@ -249,6 +249,14 @@ class RaggedRunner:
         self._default = config._attn_implementation
         try:
             model.set_attn_implementation(ATTENTION)  # validates that the model accepts it
+            # Every config object the model's modules read (composite models have
+            # several): switching is then one dict store per config per forward.
+            configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+            configs[id(config)] = config
+            self._switch = [
+                (c.__dict__, c.__dict__.get("_attn_implementation_internal"))
+                for c in configs.values()
+            ]
         except Exception as e:
             raise Unsupported(
                 f"model type {self.model_type}: does not accept a custom attention "
@@ -256,6 +264,7 @@ class RaggedRunner:
             ) from e
         finally:
             config._attn_implementation = self._default
+        self._restore = [(d, d.get("_attn_implementation_internal")) for d, _ in self._switch]
         if getattr(config, "attention_chunk_size", None):
             raise Unsupported(
                 f"model type {self.model_type}: chunked attention (attention_chunk_size="
@@ -338,8 +347,8 @@ class RaggedRunner:
         dev = self.device
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)  # [1, N]
         pos = torch.tensor([positions], dtype=torch.long, device=dev)  # [1, N]
-        config = self.model.config
-        config._attn_implementation = ATTENTION
+        for d, ours in self._switch:
+            d["_attn_implementation_internal"] = ours
         try:
             out = self.model(
                 input_ids=ids,
@@ -349,7 +358,8 @@ class RaggedRunner:
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
             )
         finally:
-            config._attn_implementation = self._default
+            for d, theirs in self._restore:
+                d["_attn_implementation_internal"] = theirs
         for s in segments:
             s.kv.length = s.past + s.new
         logits = out.logits[0]  # [sum of feeds' logits, vocab]
