@@ -1,7 +1,7 @@
-"""The ``specdec`` command: serve one service, start all three locally, or generate.
+"""The ``specdec`` command: serve one service, start them all locally, or generate.
 
-specdec serve draft|target|orchestrator [--config FILE] [--set section.key=value ...]
-specdec up        [--config FILE] [--set ...]      # all three on this machine
+specdec serve draft|target|orchestrator|gateway [--config FILE] [--set section.key=value ...]
+specdec up        [--config FILE] [--set ...]      # all four on this machine
 specdec generate  "prompt" [--address HOST:PORT] [--max-new-tokens N] ...
 specdec demo      [--config FILE]                  # up, generate a few completions, stop
 """
@@ -13,9 +13,12 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
+from urllib.error import URLError
+from urllib.request import urlopen
 
 import grpc
 
@@ -24,7 +27,7 @@ from specdec.errors import SpecdecError
 from specdec.server import channel_credentials
 
 log = logging.getLogger("specdec")
-ROLES = ("draft", "target", "orchestrator")
+ROLES = ("draft", "target", "orchestrator", "gateway")
 DEMO_PROMPTS = (
     "It is a truth universally acknowledged, that",
     "Mr. Darcy looked at Elizabeth and",
@@ -71,12 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service")
     serve.add_argument("role", choices=ROLES)
     _config_args(serve)
-    up = sub.add_parser("up", help="run draft, target and orchestrator on this machine")
+    up = sub.add_parser("up", help="run draft, target, orchestrator and gateway on this machine")
     _config_args(up)
     gen = sub.add_parser("generate", help="stream a completion from an orchestrator")
     gen.add_argument("prompt")
     _generate_args(gen)
-    demo = sub.add_parser("demo", help="start all three, generate a few completions, stop")
+    demo = sub.add_parser("demo", help="start the services, generate a few completions, stop")
     _config_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=60)
     return ap
@@ -89,6 +92,15 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
     cfg = load_config(config_path, overrides)
     section = getattr(cfg, role)
+    if role == "gateway":
+        from gateway.service import serve as serve_gateway
+        from gateway.service import serve_until_signal as gateway_until_signal
+
+        gateway = await serve_gateway(cfg)
+        metrics.serve_metrics(role, section.metrics_port, section.host)
+        print(f"specdec gateway ready on {section.host}:{gateway.port}", flush=True)
+        await gateway_until_signal(gateway, section.grace_period_s)
+        return
     if role == "draft":
         from draft_service.server import serve
 
@@ -139,13 +151,73 @@ def wait_healthy(
     raise RuntimeError(f"{address} did not become healthy within {timeout:.0f}s")
 
 
+def wait_http_healthy(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
+    """Poll an HTTP(S) health URL until it answers 200.
+
+    The certificate of an HTTPS URL is not verified: this only asks a child
+    process on this machine whether it is up, and sends nothing secret.
+    """
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a service exited during start-up (see its output above)")
+        try:
+            with urlopen(url, timeout=2.0, context=context) as r:
+                if r.status == 200:
+                    return
+        except (URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become healthy within {timeout:.0f}s")
+
+
+def gateway_url(cfg, path: str = "") -> str:
+    """The gateway's base URL as seen from this machine (``http(s)://host:port``)."""
+    g = cfg.gateway
+    host = "127.0.0.1" if g.host in ("0.0.0.0", "") else g.host
+    return f"{'https' if g.tls.cert else 'http'}://{host}:{g.port}{path}"
+
+
+def start_gateway(
+    config_path: str | None,
+    overrides: list[str],
+    quiet: bool = False,
+    env: dict[str, str] | None = None,
+    stdout=None,
+    verbose: bool = False,
+) -> subprocess.Popen:
+    """Start ``specdec serve gateway``; returns it once ``/health`` answers 200
+    (which needs the orchestrator to be up). With ``stdout`` (a file), stdout
+    and stderr go there; ``verbose`` logs at DEBUG level."""
+    cfg = load_config(config_path, overrides)
+    args = ["--config", config_path] if config_path else []
+    for o in overrides:
+        args += ["--set", o]
+    out = subprocess.DEVNULL if quiet else stdout
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec", *(["-v"] if verbose else []), "serve", "gateway", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT if stdout is not None else None,
+        env=env,
+    )
+    try:
+        wait_http_healthy(gateway_url(cfg, "/health"), 300, [proc])
+    except BaseException:
+        stop_local([proc])
+        raise
+    return proc
+
+
 def start_local(
     config_path: str | None,
     overrides: list[str],
     quiet: bool = False,
     env: dict[str, str] | None = None,
+    gateway: bool = False,
 ) -> list[subprocess.Popen]:
-    """Start the three services as child processes; returns them once all are healthy."""
+    """Start draft, target and orchestrator as child processes, and the HTTP
+    gateway after them with ``gateway``; returns them once all are healthy."""
     cfg = load_config(config_path, overrides)
     args = []
     if config_path:
@@ -170,6 +242,8 @@ def start_local(
         api = upstream if cfg.orchestrator.tls.cert else None
         o = cfg.orchestrator
         wait_healthy(f"{o.host}:{o.port}", 300, procs, api)
+        if gateway:
+            procs.append(start_gateway(config_path, overrides, quiet, env))
     except BaseException:
         stop_local(procs)
         raise
@@ -188,11 +262,11 @@ def stop_local(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
 
 
 def _up(config_path: str | None, overrides: list[str]) -> None:
-    procs = start_local(config_path, overrides)
+    procs = start_local(config_path, overrides, gateway=True)
     cfg = load_config(config_path, overrides)
     print(
-        f"specdec is up: orchestrator {cfg.orchestrator.host}:{cfg.orchestrator.port} "
-        "(Ctrl-C stops all three)",
+        f"specdec is up: orchestrator (gRPC) {cfg.orchestrator.host}:{cfg.orchestrator.port}, "
+        f"OpenAI-compatible API {gateway_url(cfg, '/v1')} (Ctrl-C stops all four)",
         flush=True,
     )
     try:

@@ -123,6 +123,40 @@ class OrchestratorConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """The OpenAI-compatible HTTP gateway: a client of the orchestrator's public API.
+
+    Bearer tokens are the orchestrator's (``orchestrator.auth_tokens``): one list
+    of tokens for both ways of calling specdec.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    metrics_port: int = 9103
+    # The orchestrator's API: "host:port", or "dns:///name:port" for every address
+    # a name resolves to (requests are spread round-robin over them).
+    orchestrator_address: str = "127.0.0.1:50050"
+    # Client TLS towards the orchestrator (ca; cert/key for mutual TLS).
+    orchestrator_tls: TlsConfig = field(default_factory=TlsConfig)
+    # Server TLS for HTTPS; with ca, clients must present a certificate.
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    # The model name clients send and see; empty uses the target's model id.
+    model_name: str = ""
+    # max_tokens of a chat request that sets none (a completion's default is 16, as OpenAI's).
+    default_max_tokens: int = 256
+    # Chat against a tokenizer without a chat template: render "role: content"
+    # lines and "assistant:" as plain text (false: refuse with 400).
+    chat_fallback: bool = True
+    # Deadline of one Generate call, in seconds.
+    request_timeout_s: float = 600.0
+    # Largest request body accepted, in bytes.
+    max_body_bytes: int = 1024 * 1024
+    # Seconds to wait at start-up for the orchestrator to answer Info.
+    connect_timeout_s: float = 120.0
+    grace_period_s: float = 10.0
+
+
+@dataclass
 class Config:
     draft: ModelServiceConfig = field(
         default_factory=lambda: ModelServiceConfig(port=50051, metrics_port=9101)
@@ -131,6 +165,7 @@ class Config:
         default_factory=lambda: ModelServiceConfig(port=50052, metrics_port=9102)
     )
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 _POSITIVE = {
@@ -145,6 +180,9 @@ _POSITIVE = {
     "draft_timeout_s",
     "target_timeout_s",
     "max_message_bytes",
+    "default_max_tokens",
+    "request_timeout_s",
+    "max_body_bytes",
 }
 _NON_NEGATIVE = {
     "port",
@@ -217,8 +255,11 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     return obj
 
 
+SECTIONS = ("draft", "target", "orchestrator", "gateway")
+
+
 def _validate(cfg: Config) -> None:
-    for section in ("draft", "target", "orchestrator"):
+    for section in SECTIONS:
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
@@ -247,7 +288,7 @@ def _validate(cfg: Config) -> None:
 
 def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
     out = []
-    for section in ("draft", "target", "orchestrator"):
+    for section in SECTIONS:
         prefix = f"SPECDEC_{section.upper()}_"
         for name, value in env.items():
             # Kubernetes service links (SPECDEC_DRAFT_PORT=tcp://..., *_SERVICE_HOST)

@@ -1,0 +1,159 @@
+"""The orchestrator's public gRPC API, as the gateway calls it.
+
+One ``grpc.aio`` channel (client TLS as configured; round-robin over every
+address of a ``dns:///`` name), the client's bearer token forwarded as
+``authorization`` metadata, a deadline on every call, and the chat fallback:
+a conversation goes to the orchestrator as ``messages``, rendered with the
+target tokenizer's chat template; when the orchestrator answers that the
+tokenizer has none, and ``gateway.chat_fallback`` is on, it goes again as the
+plain text ``openai_schema.plain_text_chat`` makes of it.
+
+Not for: HTTP or OpenAI's shapes (``app``, ``openai_schema``); errors stay
+``grpc.aio.AioRpcError`` here and are mapped once, in ``errors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.config import GatewayConfig
+from specdec.server import channel_credentials
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from .openai_schema import MODEL_TEMPLATE, PLAIN_TEXT_FALLBACK, Generation
+
+# How the orchestrator says that the target's tokenizer has no chat template
+# (INVALID_ARGUMENT, message "messages: the target's tokenizer has no chat
+# template; ..."); tests/test_gateway.py checks it against a real orchestrator.
+_NO_TEMPLATE = "no chat template"
+
+
+class EmptyStream(Exception):
+    """The orchestrator ended a Generate stream without its statistics."""
+
+
+@dataclass
+class Stream:
+    """An open Generate call whose first message has arrived."""
+
+    call: grpc.aio.UnaryStreamCall
+    first: orchestrator_pb2.GenerateResponse
+    # Chat only: how the conversation became a prompt (MODEL_TEMPLATE or PLAIN_TEXT_FALLBACK).
+    template: str | None = None
+
+    async def messages(self) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        """Every message, the first included; the last one carries the statistics."""
+        message = self.first
+        while True:
+            yield message
+            if message.HasField("stats"):
+                return
+            message = await self.call.read()
+            if message is grpc.aio.EOF:
+                raise EmptyStream("the orchestrator ended the stream without statistics")
+
+
+def _missing_template(error: grpc.aio.AioRpcError) -> bool:
+    details = error.details() or ""
+    return (
+        error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and details.startswith("messages:")
+        and _NO_TEMPLATE in details
+    )
+
+
+def _metadata(authorization: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", authorization),) if authorization else None
+
+
+class Orchestrator:
+    """A client of ``specdec.v1.Orchestrator`` (Generate, Info) and its health service."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        options = [
+            # Every address of a dns:/// name gets requests, not just the first.
+            ("grpc.lb_policy_name", "round_robin"),
+            # Reconnect quickly to a restarted orchestrator (gRPC's default backs off to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        creds = channel_credentials(cfg.orchestrator_tls)
+        address = cfg.orchestrator_address
+        self.channel = (
+            grpc.aio.secure_channel(address, creds, options=options)
+            if creds
+            else grpc.aio.insecure_channel(address, options=options)
+        )
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._target_model_id = ""
+
+    async def info(self, authorization: str | None) -> orchestrator_pb2.OrchestratorInfo:
+        info = await self.stub.Info(
+            orchestrator_pb2.OrchestratorInfoRequest(),
+            timeout=10.0,
+            metadata=_metadata(authorization),
+        )
+        self._target_model_id = info.target_model_id
+        return info
+
+    async def model_name(self, authorization: str | None) -> str:
+        """The name clients use: ``gateway.model_name``, else the target's model id."""
+        if self.cfg.model_name:
+            return self.cfg.model_name
+        if not self._target_model_id:  # asked once; a model does not change under a name
+            await self.info(authorization)
+        return self._target_model_id
+
+    async def serving(self, timeout: float = 2.0) -> bool:
+        """Whether the orchestrator's health service says SERVING."""
+        try:
+            r = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def open(self, generation: Generation, authorization: str | None) -> Stream:
+        """Start Generate and wait for its first message (so errors come before any byte).
+
+        A chat whose target has no chat template is sent again as plain text
+        when ``chat_fallback`` is on. Raises ``grpc.aio.AioRpcError``.
+        """
+        if generation.fallback_text is None:  # a completion
+            return await self._open(generation.request, authorization)
+        try:
+            return await self._open(generation.request, authorization, MODEL_TEMPLATE)
+        except grpc.aio.AioRpcError as e:
+            if not (self.cfg.chat_fallback and _missing_template(e)):
+                raise
+        request = orchestrator_pb2.GenerateRequest()
+        request.CopyFrom(generation.request)
+        request.text = generation.fallback_text  # replaces `messages` (one prompt oneof)
+        return await self._open(request, authorization, PLAIN_TEXT_FALLBACK)
+
+    async def _open(
+        self,
+        request: orchestrator_pb2.GenerateRequest,
+        authorization: str | None,
+        template: str | None = None,
+    ) -> Stream:
+        call = self.stub.Generate(
+            request, timeout=self.cfg.request_timeout_s, metadata=_metadata(authorization)
+        )
+        try:
+            first = await call.read()
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise EmptyStream("the orchestrator ended the stream without a message")
+        return Stream(call, first, template)
+
+    async def aclose(self) -> None:
+        await self.channel.close()
