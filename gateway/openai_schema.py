@@ -70,6 +70,8 @@ def parse_json(raw: bytes) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         message = f"the request body is not valid JSON: {e}"
         raise invalid(None, message, code="invalid_json") from None
+    except RecursionError:
+        raise invalid(None, "the request body nests too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
     return body
@@ -142,7 +144,12 @@ def _stream_options(body: Mapping, stream: bool) -> bool:
         raise invalid("stream_options", "only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", f"must be an object, got {options!r}")
-    return _bool(options, "include_usage")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid(
+            "stream_options.include_usage", f"must be true or false, got {include_usage!r}"
+        )
+    return include_usage
 
 
 def _model(body: Mapping, served: str) -> str:
