@@ -151,13 +151,21 @@ def wait_healthy(
     raise RuntimeError(f"{address} did not become healthy within {timeout:.0f}s")
 
 
-def wait_http_healthy(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
-    """Poll an HTTP(S) health URL until it answers 200.
+def wait_http_healthy(
+    url: str,
+    timeout: float,
+    procs: list[subprocess.Popen],
+    client_cert: tuple[str, str] | None = None,
+) -> None:
+    """Poll an HTTP(S) health URL until it answers 200, presenting ``client_cert``
+    (certificate and key files) to a server that demands one.
 
     The certificate of an HTTPS URL is not verified: this only asks a child
     process on this machine whether it is up, and sends nothing secret.
     """
     context = ssl._create_unverified_context() if url.startswith("https:") else None
+    if context is not None and client_cert:
+        context.load_cert_chain(*client_cert)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
@@ -186,10 +194,12 @@ def start_gateway(
     env: dict[str, str] | None = None,
     stdout=None,
     verbose: bool = False,
+    wait_for: str = "/health",
 ) -> subprocess.Popen:
-    """Start ``specdec serve gateway``; returns it once ``/health`` answers 200
-    (which needs the orchestrator to be up). With ``stdout`` (a file), stdout
-    and stderr go there; ``verbose`` logs at DEBUG level."""
+    """Start ``specdec serve gateway``; returns it once ``wait_for`` answers 200
+    (``/health`` needs the orchestrator up, ``/health/live`` only the gateway).
+    With ``stdout`` (a file), stdout and stderr go there; ``verbose`` logs at
+    DEBUG level."""
     cfg = load_config(config_path, overrides)
     args = ["--config", config_path] if config_path else []
     for o in overrides:
@@ -202,7 +212,11 @@ def start_gateway(
         env=env,
     )
     try:
-        wait_http_healthy(gateway_url(cfg, "/health"), 300, [proc])
+        # A gateway demanding client certificates is asked with its own client
+        # identity (towards the orchestrator), as start_local checks the orchestrator.
+        o_tls = cfg.gateway.orchestrator_tls
+        identity = (o_tls.cert, o_tls.key) if cfg.gateway.tls.ca and o_tls.cert else None
+        wait_http_healthy(gateway_url(cfg, wait_for), 300, [proc], identity)
     except BaseException:
         stop_local([proc])
         raise

@@ -53,9 +53,15 @@ class Gateway:
 
 @contextlib.contextmanager
 def gateway(
-    tmp: Path, config: dict, orchestrator_address: str, verbose: bool = False, **keys
+    tmp: Path,
+    config: dict,
+    orchestrator_address: str,
+    verbose: bool = False,
+    wait_for: str = "/health",
+    **keys,
 ) -> Iterator[Gateway]:
-    """A gateway reading ``config`` (a stack's) plus a gateway section made of ``keys``."""
+    """A gateway reading ``config`` (a stack's) plus a gateway section made of ``keys``;
+    ready once ``wait_for`` answers 200."""
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = copy.deepcopy(config)
     cfg["gateway"] = {
@@ -70,7 +76,7 @@ def gateway(
     path.write_text(yaml.safe_dump(cfg))
     log = tmp / "gateway.log"
     with open(log, "wb") as out:
-        proc = start_gateway(str(path), [], stdout=out, verbose=verbose)
+        proc = start_gateway(str(path), [], stdout=out, verbose=verbose, wait_for=wait_for)
     scheme = "https" if cfg["gateway"].get("tls", {}).get("cert") else "http"
     gw = Gateway(proc, cfg["gateway"]["port"], cfg["gateway"]["metrics_port"], log, scheme)
     try:
