@@ -96,14 +96,15 @@ async def _generate(
     body = parse_json(await request.read())
     try:
         model = await state.upstream.model_name(authorization)
-        generation = shape_cls.parse(body, model, state.cfg.default_max_tokens)
-        stream = await state.upstream.open(generation, authorization)
+        generation = shape_cls.parse(body, model, state.cfg)
+        stream = await state.upstream.open(generation.request, authorization)
     except grpc.aio.AioRpcError as e:
         raise errors.from_rpc_error(e, shape_cls.field_names) from None
     except EmptyStream as e:
         raise ApiError(500, str(e), code="internal") from None
     shape = shape_cls(generation.model, generation.include_usage)
-    headers = {CHAT_TEMPLATE_HEADER: stream.template} if stream.template else {}
+    template = generation.chat_template
+    headers = {CHAT_TEMPLATE_HEADER: template} if template else {}
     try:
         if generation.stream:
             return await _stream_events(request, shape, stream, headers)

@@ -13,7 +13,8 @@ OpenAI field                          GenerateRequest field
 ====================================  =========================================
 ``prompt`` (text, or token ids)       ``text`` / ``token_ids``
 ``messages``                          ``messages`` (the model's chat template),
-                                      or ``text`` (plain-text fallback)
+                                      or ``text`` (``plain_text_chat``), as
+                                      ``gateway.chat_template`` says
 ``max_tokens``                        ``max_new_tokens``
 (chat: ``max_completion_tokens``)
 ``temperature``, ``top_p``, ``stop``,  the same names
@@ -43,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.config import GatewayConfig
 from specdec.v1 import orchestrator_pb2
 
 from .errors import ApiError, invalid, unsupported
@@ -53,8 +55,6 @@ MAX_SEED = 2**64 - 1
 DONE = b"data: [DONE]\n\n"
 # Response header saying how a chat was turned into a prompt.
 CHAT_TEMPLATE_HEADER = "x-specdec-chat-template"
-MODEL_TEMPLATE = "model"
-PLAIN_TEXT_FALLBACK = "plain-text-fallback"
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -175,8 +175,9 @@ class Generation:
     model: str
     stream: bool
     include_usage: bool
-    # The conversation as plain text, for a model without a chat template (chat only).
-    fallback_text: str | None = None
+    # Chat only: how the conversation became a prompt, "model" or "plain-text"
+    # (gateway.chat_template), sent back in the x-specdec-chat-template header.
+    chat_template: str | None = None
 
 
 def _sampling(body: Mapping, max_tokens: int | None, default_max_tokens: int) -> dict:
@@ -260,7 +261,7 @@ def _messages(body: Mapping) -> list[tuple[str, str]]:
 
 
 def plain_text_chat(messages: Iterable[tuple[str, str]]) -> str:
-    """The plain-text fallback for a tokenizer without a chat template.
+    """A conversation as plain text, for a model without a chat template.
 
     One ``role: content`` line per message, then ``assistant:`` for the model
     to continue; for example ``system: Be brief.\\nuser: Hi\\nassistant:``.
@@ -344,7 +345,7 @@ class CompletionShape(_Shape):
     field_names = {"text": "prompt", "token_ids": "prompt", "max_new_tokens": "max_tokens"}
 
     @staticmethod
-    def parse(body: Mapping, served_model: str, default_max_tokens: int) -> Generation:
+    def parse(body: Mapping, served_model: str, cfg: GatewayConfig) -> Generation:
         model = _model(body, served_model)
         stream = _bool(body, "stream")
         include_usage = _stream_options(body, stream)
@@ -387,7 +388,7 @@ class ChatShape(_Shape):
     field_names = {"text": "messages", "max_new_tokens": "max_tokens"}
 
     @staticmethod
-    def parse(body: Mapping, served_model: str, default_max_tokens: int) -> Generation:
+    def parse(body: Mapping, served_model: str, cfg: GatewayConfig) -> Generation:
         model = _model(body, served_model)
         messages = _messages(body)
         stream = _bool(body, "stream")
@@ -405,12 +406,14 @@ class ChatShape(_Shape):
         max_tokens = _int(body, "max_completion_tokens", None, 1)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", None, 1)
-        fields = _sampling(body, max_tokens, default_max_tokens)
-        chat = orchestrator_pb2.ChatMessages(
-            messages=[orchestrator_pb2.ChatMessage(role=r, content=c) for r, c in messages]
-        )
-        request = orchestrator_pb2.GenerateRequest(messages=chat, **fields)
-        return Generation(request, model, stream, include_usage, plain_text_chat(messages))
+        fields = _sampling(body, max_tokens, cfg.default_max_tokens)
+        if cfg.chat_template == "plain-text":
+            prompt = {"text": plain_text_chat(messages)}
+        else:  # the orchestrator renders them with the target tokenizer's chat template
+            turns = [orchestrator_pb2.ChatMessage(role=r, content=c) for r, c in messages]
+            prompt = {"messages": orchestrator_pb2.ChatMessages(messages=turns)}
+        request = orchestrator_pb2.GenerateRequest(**prompt, **fields)
+        return Generation(request, model, stream, include_usage, cfg.chat_template)
 
     def _chunk(self, delta: dict, finish: str | None, **extra) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}

@@ -2,11 +2,8 @@
 
 One ``grpc.aio`` channel (client TLS as configured; round-robin over every
 address of a ``dns:///`` name), the client's bearer token forwarded as
-``authorization`` metadata, a deadline on every call, and the chat fallback:
-a conversation goes to the orchestrator as ``messages``, rendered with the
-target tokenizer's chat template; when the orchestrator answers that the
-tokenizer has none, and ``gateway.chat_fallback`` is on, it goes again as the
-plain text ``openai_schema.plain_text_chat`` makes of it.
+``authorization`` metadata, a deadline on every call, and a stream that has
+received its first message before the gateway sends any byte to its client.
 
 Not for: HTTP or OpenAI's shapes (``app``, ``openai_schema``); errors stay
 ``grpc.aio.AioRpcError`` here and are mapped once, in ``errors``.
@@ -24,13 +21,6 @@ from specdec.config import GatewayConfig
 from specdec.server import channel_credentials
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from .openai_schema import MODEL_TEMPLATE, PLAIN_TEXT_FALLBACK, Generation
-
-# How the orchestrator says that the target's tokenizer has no chat template
-# (INVALID_ARGUMENT, message "messages: the target's tokenizer has no chat
-# template; ..."); tests/test_gateway.py checks it against a real orchestrator.
-_NO_TEMPLATE = "no chat template"
-
 
 class EmptyStream(Exception):
     """The orchestrator ended a Generate stream without its statistics."""
@@ -42,8 +32,6 @@ class Stream:
 
     call: grpc.aio.UnaryStreamCall
     first: orchestrator_pb2.GenerateResponse
-    # Chat only: how the conversation became a prompt (MODEL_TEMPLATE or PLAIN_TEXT_FALLBACK).
-    template: str | None = None
 
     async def messages(self) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """Every message, the first included; the last one carries the statistics."""
@@ -55,15 +43,6 @@ class Stream:
             message = await self.call.read()
             if message is grpc.aio.EOF:
                 raise EmptyStream("the orchestrator ended the stream without statistics")
-
-
-def _missing_template(error: grpc.aio.AioRpcError) -> bool:
-    details = error.details() or ""
-    return (
-        error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        and details.startswith("messages:")
-        and _NO_TEMPLATE in details
-    )
 
 
 def _metadata(authorization: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -119,30 +98,11 @@ class Orchestrator:
             return False
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def open(self, generation: Generation, authorization: str | None) -> Stream:
-        """Start Generate and wait for its first message (so errors come before any byte).
-
-        A chat whose target has no chat template is sent again as plain text
-        when ``chat_fallback`` is on. Raises ``grpc.aio.AioRpcError``.
-        """
-        if generation.fallback_text is None:  # a completion
-            return await self._open(generation.request, authorization)
-        try:
-            return await self._open(generation.request, authorization, MODEL_TEMPLATE)
-        except grpc.aio.AioRpcError as e:
-            if not (self.cfg.chat_fallback and _missing_template(e)):
-                raise
-        request = orchestrator_pb2.GenerateRequest()
-        request.CopyFrom(generation.request)
-        request.text = generation.fallback_text  # replaces `messages` (one prompt oneof)
-        return await self._open(request, authorization, PLAIN_TEXT_FALLBACK)
-
-    async def _open(
-        self,
-        request: orchestrator_pb2.GenerateRequest,
-        authorization: str | None,
-        template: str | None = None,
+    async def open(
+        self, request: orchestrator_pb2.GenerateRequest, authorization: str | None
     ) -> Stream:
+        """Start Generate and wait for its first message, so that an error comes
+        before any byte is sent. Raises ``grpc.aio.AioRpcError``."""
         call = self.stub.Generate(
             request, timeout=self.cfg.request_timeout_s, metadata=_metadata(authorization)
         )
@@ -153,7 +113,7 @@ class Orchestrator:
             raise
         if first is grpc.aio.EOF:
             raise EmptyStream("the orchestrator ended the stream without a message")
-        return Stream(call, first, template)
+        return Stream(call, first)
 
     async def aclose(self) -> None:
         await self.channel.close()

@@ -22,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+CHAT_TEMPLATES = ("model", "plain-text")
 
 
 class ConfigError(ValueError):
@@ -144,9 +145,10 @@ class GatewayConfig:
     model_name: str = ""
     # max_tokens of a chat request that sets none (a completion's default is 16, as OpenAI's).
     default_max_tokens: int = 256
-    # Chat against a tokenizer without a chat template: render "role: content"
-    # lines and "assistant:" as plain text (false: refuse with 400).
-    chat_fallback: bool = True
+    # How chat messages become a prompt: "model" (the target tokenizer's chat
+    # template, rendered by the orchestrator) or "plain-text" ("role: content"
+    # lines and "assistant:", for a model without a template).
+    chat_template: str = "model"
     # Deadline of one Generate call, in seconds.
     request_timeout_s: float = 600.0
     # Largest request body accepted, in bytes.
@@ -278,6 +280,11 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{section}.dtype: must be one of {DTYPES}, got {sub.dtype!r}")
         if not sub.model:
             raise ConfigError(f"{section}.model: required (a local model directory)")
+    if cfg.gateway.chat_template not in CHAT_TEMPLATES:
+        raise ConfigError(
+            f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "
+            f"got {cfg.gateway.chat_template!r}"
+        )
     orch = cfg.orchestrator
     if orch.gamma > orch.max_gamma:
         raise ConfigError(

@@ -3,9 +3,10 @@ would, in front of a real stack (tiny models): completion, chat, streaming and
 errors; and what each answer must equal: the orchestrator's own greedy or seeded
 output over gRPC, token for token.
 
-Also: the chat template path (a stack whose orchestrator tokenizer has one) and
-the plain-text fallback (the shared stack's tokenizer has none), and that a
-client disconnecting mid-stream cancels the gRPC call and frees both sessions.
+Also: chat through the model's chat template (a stack whose orchestrator
+tokenizer has one) and as plain text (``gateway.chat_template: plain-text``, for
+the shared stack, whose tokenizer has none), and that a client disconnecting
+mid-stream cancels the gRPC call and frees both sessions.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ SPECDEC_KEYS = {
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory, llama_stack):
     with gateway(
-        tmp_path_factory.mktemp("gateway"), llama_stack.config, llama_stack.orchestrator_address
+        tmp_path_factory.mktemp("gateway"),
+        llama_stack.config,
+        llama_stack.orchestrator_address,
+        chat_template="plain-text",  # the tiny tokenizer has no chat template
     ) as g:
         yield g
 
@@ -97,11 +101,11 @@ def test_completion_equals_the_orchestrators_greedy_output(gw, llama_stack):
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["wire_bytes_per_token"] > 0
 
 
-def test_chat_without_a_template_uses_the_documented_plain_text_fallback(gw, llama_stack):
+def test_chat_as_plain_text_for_a_model_without_a_template(gw, llama_stack):
     raw = client(gw).chat.completions.with_raw_response.create(
         model=MODEL, messages=CHAT, max_tokens=10, temperature=0
     )
-    assert raw.headers["x-specdec-chat-template"] == "plain-text-fallback"
+    assert raw.headers["x-specdec-chat-template"] == "plain-text"
     c = raw.parse()
     expected, stats = grpc_text(
         llama_stack.orchestrator_address,
@@ -285,9 +289,10 @@ def test_chat_uses_the_models_chat_template(template_stack):
     assert c.usage.prompt_tokens == stats.prompt_tokens == len(rendered)
 
 
-def test_chat_fallback_off_refuses_a_model_without_a_template(tmp_path, llama_stack):
+def test_chat_with_the_model_template_refuses_a_model_without_one(tmp_path, llama_stack):
+    """The orchestrator's 400 for a tokenizer without a template reaches the client."""
     with gateway(
-        tmp_path, llama_stack.config, llama_stack.orchestrator_address, chat_fallback=False
+        tmp_path, llama_stack.config, llama_stack.orchestrator_address, chat_template="model"
     ) as g:
         with pytest.raises(openai.BadRequestError) as err:
             client(g).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)

@@ -23,21 +23,23 @@ from gateway.openai_schema import (
     plain_text_chat,
     sse,
 )
-from specdec.config import ConfigError, config_from_dict
+from specdec.config import ConfigError, GatewayConfig, config_from_dict
 from specdec.v1 import orchestrator_pb2
 
 from .stack import free_port
 
 MODEL = "m"
+CFG = GatewayConfig()
+PLAIN = GatewayConfig(chat_template="plain-text")
 
 
 def completion(**fields) -> orchestrator_pb2.GenerateRequest:
-    return CompletionShape.parse({"model": MODEL, "prompt": "hi", **fields}, MODEL, 256).request
+    return CompletionShape.parse({"model": MODEL, "prompt": "hi", **fields}, MODEL, CFG).request
 
 
-def chat(**fields):
+def chat(cfg: GatewayConfig = CFG, **fields):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
-    return ChatShape.parse(body, MODEL, 256)
+    return ChatShape.parse(body, MODEL, cfg)
 
 
 def test_completion_fields_map_onto_the_grpc_request():
@@ -65,7 +67,7 @@ def test_prompt_forms():
     assert err.value.param == "prompt" and "one prompt per request" in err.value.message
 
 
-def test_chat_fields_and_the_plain_text_fallback():
+def test_chat_fields_and_both_ways_to_make_a_prompt():
     body = {
         "model": MODEL,
         "messages": [
@@ -79,12 +81,15 @@ def test_chat_fields_and_the_plain_text_fallback():
         "max_tokens": 9,
         "max_completion_tokens": 5,
     }
-    g = ChatShape.parse(body, MODEL, 256)
+    g = ChatShape.parse(body, MODEL, CFG)
+    assert g.chat_template == "model"
     msgs = [(m.role, m.content) for m in g.request.messages.messages]
     assert msgs == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
     assert g.request.max_new_tokens == 5  # max_completion_tokens wins
-    assert g.fallback_text == "system: be brief\nuser: a\nb\nassistant: \nassistant:"
-    assert chat().request.max_new_tokens == 256  # gateway.default_max_tokens
+    g = ChatShape.parse(body, MODEL, PLAIN)
+    assert g.chat_template == "plain-text" and g.request.WhichOneof("prompt") == "text"
+    assert g.request.text == "system: be brief\nuser: a\nb\nassistant: \nassistant:"
+    assert chat().request.max_new_tokens == CFG.default_max_tokens == 256
     assert plain_text_chat([("user", "hi")]) == "user: hi\nassistant:"
 
 
@@ -107,7 +112,7 @@ def test_parse_json_refuses_what_is_not_a_json_object():
 
 def test_an_unknown_model_is_a_404_that_names_the_served_one():
     with pytest.raises(ApiError) as err:
-        CompletionShape.parse({"model": "other", "prompt": "x"}, MODEL, 16)
+        CompletionShape.parse({"model": "other", "prompt": "x"}, MODEL, CFG)
     assert (err.value.status, err.value.param, err.value.code) == (404, "model", "model_not_found")
     assert f"`{MODEL}`" in err.value.message
 
@@ -142,7 +147,7 @@ def test_the_orchestrators_field_names_become_openais():
     )
     assert e.param == "max_tokens" and e.message == "max_tokens: must be in [1, 1024], got 0"
     e = from_rpc(grpc.StatusCode.INVALID_ARGUMENT, "text: too long", ChatShape.field_names)
-    assert e.param == "messages"  # the fallback's text is the conversation
+    assert e.param == "messages"  # as plain text, the conversation is the text
     e = from_rpc(grpc.StatusCode.INVALID_ARGUMENT, "messages[2].role: must not be empty")
     assert e.param == "messages[2].role"
     e = from_rpc(grpc.StatusCode.INVALID_ARGUMENT, "no field here")
@@ -177,7 +182,8 @@ BASE = {"draft": {"model": "d"}, "target": {"model": "t"}}
 def test_gateway_config_defaults_env_and_errors():
     cfg = config_from_dict(BASE, env={})
     assert (cfg.gateway.port, cfg.gateway.metrics_port) == (8000, 9103)
-    assert cfg.gateway.orchestrator_address == "127.0.0.1:50050" and cfg.gateway.chat_fallback
+    assert cfg.gateway.orchestrator_address == "127.0.0.1:50050"
+    assert cfg.gateway.chat_template == "model"
     env = {
         "SPECDEC_GATEWAY_PORT": "8080",
         "SPECDEC_GATEWAY_ORCHESTRATOR_TLS__CA": "/ca.pem",
@@ -189,7 +195,7 @@ def test_gateway_config_defaults_env_and_errors():
     for raw, key in [
         ({**BASE, "gateway": {"port": 70000}}, "gateway.port"),
         ({**BASE, "gateway": {"default_max_tokens": 0}}, "gateway.default_max_tokens"),
-        ({**BASE, "gateway": {"chat_fallback": "maybe"}}, "gateway.chat_fallback"),
+        ({**BASE, "gateway": {"chat_template": "chatml"}}, "gateway.chat_template"),
         ({**BASE, "gateway": {"prot": 1}}, "gateway.prot"),
     ]:
         with pytest.raises(ConfigError) as err:
