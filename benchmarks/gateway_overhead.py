@@ -1,0 +1,325 @@
+"""What the OpenAI-compatible HTTP gateway adds to a request: measured side by side.
+
+The same requests go to the orchestrator over gRPC directly and through the
+gateway over HTTP (whole JSON answers and server-sent events), interleaved, on
+persistent connections on both paths, in two settings:
+
+* **stub**: a scripted orchestrator (a separate process) that answers at once,
+  streaming one chunk per token: what remains is the cost of the gateway itself
+  (HTTP parsing, validation, one loopback gRPC hop, JSON/SSE shaping) plus the
+  client's, with nothing to hide it;
+* **stack**: draft, target and orchestrator on the demo pair (models/demo),
+  greedy, one chunk per speculation step, as users see it.
+
+Per request: the median at 1 token, gateway minus direct. Per streamed token:
+the slope between 1 and N tokens, gateway minus direct, divided by N - 1.
+Prints a table and writes ``results.json`` and ``results.md`` (with the load
+average before and after) to ``--out`` (default ``results/gateway-<time>/``).
+
+    .venv/bin/python -m benchmarks.gateway_overhead [--quick] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from specdec.cli import start_gateway, stop_local, wait_healthy
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, REPO, cpu_model, git_commit
+from .stack import free_port, start_services
+
+MODEL = "bench"
+
+
+# ---- the scripted orchestrator (run as its own process) -------------------------------
+async def _serve_stub(port: int) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1._async import HealthServicer
+
+    class Stub(orchestrator_pb2_grpc.OrchestratorServicer):
+        async def Generate(self, request, context):
+            for _ in range(request.max_new_tokens):
+                yield orchestrator_pb2.GenerateResponse(
+                    chunk=orchestrator_pb2.Chunk(text=" x", token_ids=[7])
+                )
+            yield orchestrator_pb2.GenerateResponse(
+                stats=orchestrator_pb2.GenerationStats(
+                    prompt_tokens=8,
+                    generated_tokens=request.max_new_tokens,
+                    steps=request.max_new_tokens,
+                    finish_reason="length",
+                )
+            )
+
+        async def Info(self, request, context):
+            return orchestrator_pb2.OrchestratorInfo(target_model_id="stub")
+
+    server = grpc.aio.server()
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Stub(), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+# ---- the two clients --------------------------------------------------------------------
+class GrpcClient:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def run(self, prompt: str, tokens: int) -> tuple[float, float]:
+        """(seconds to the first chunk with text, seconds to the end)."""
+        request = orchestrator_pb2.GenerateRequest(
+            text=prompt, max_new_tokens=tokens, temperature=0.0, seed=1
+        )
+        t0 = time.perf_counter()
+        first = None
+        for message in self.stub.Generate(request, timeout=300):
+            if first is None and message.HasField("chunk") and message.chunk.text:
+                first = time.perf_counter() - t0
+        return first or 0.0, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class HttpClient:
+    """One keep-alive connection to the gateway, as a client library would hold."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+
+    def run(self, prompt: str, tokens: int, stream: bool) -> tuple[float, float]:
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": tokens,
+                "temperature": 0,
+                "seed": 1,
+                "stream": stream,
+            }
+        )
+        t0 = time.perf_counter()
+        self.conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"gateway: {response.status} {response.read()[:300]!r}")
+        if not stream:
+            json.loads(response.read())
+            t = time.perf_counter() - t0
+            return t, t
+        first = None
+        while True:
+            line = response.readline()
+            if not line:
+                raise RuntimeError("the stream ended without [DONE]")
+            if first is None and line.startswith(b'data: {"id"'):
+                first = time.perf_counter() - t0
+            if line == b"data: [DONE]\n":
+                response.readline()  # the blank line
+                response.read()  # the end of the chunked body
+                return first or 0.0, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# ---- measuring --------------------------------------------------------------------------
+PATHS = ("grpc", "http", "sse")
+
+
+def measure(
+    grpc_client: GrpcClient, http_client: HttpClient, tokens: list[int], repeats: int
+) -> dict:
+    """{path: {tokens: [(ttfb, total), ...]}}, the paths interleaved request by request."""
+    out: dict = {p: {n: [] for n in tokens} for p in PATHS}
+    for i in range(repeats):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        order = PATHS[i % 3 :] + PATHS[: i % 3]  # rotate who goes first
+        for n in tokens:
+            for path in order:
+                if path == "grpc":
+                    out[path][n].append(grpc_client.run(prompt, n))
+                else:
+                    out[path][n].append(http_client.run(prompt, n, stream=path == "sse"))
+    return out
+
+
+def summarise(samples: dict, tokens: list[int]) -> dict:
+    lo, hi = min(tokens), max(tokens)
+
+    def med(path: str, n: int, i: int) -> float:
+        return statistics.median(s[i] for s in samples[path][n])
+
+    rows = {}
+    for path in PATHS:
+        rows[path] = {
+            "total_ms": {n: med(path, n, 1) * 1e3 for n in tokens},
+            "first_ms": {n: med(path, n, 0) * 1e3 for n in tokens},
+        }
+    result = {"median_ms": rows}
+    for path in ("http", "sse"):
+        per_request = rows[path]["total_ms"][lo] - rows["grpc"]["total_ms"][lo]
+        slope = (rows[path]["total_ms"][hi] - rows[path]["total_ms"][lo]) / (hi - lo)
+        slope_grpc = (rows["grpc"]["total_ms"][hi] - rows["grpc"]["total_ms"][lo]) / (hi - lo)
+        result[f"{path}_added_per_request_ms"] = per_request
+        result[f"{path}_added_per_token_ms"] = slope - slope_grpc
+    result["sse_added_first_byte_ms"] = rows["sse"]["first_ms"][lo] - rows["grpc"]["first_ms"][lo]
+    return result
+
+
+def _start_gateway(out: Path, base: dict, orchestrator: str) -> tuple[subprocess.Popen, int]:
+    cfg = dict(base)
+    port = free_port()
+    cfg["gateway"] = {
+        "port": port,
+        "metrics_port": free_port(),
+        "orchestrator_address": orchestrator,
+        "model_name": MODEL,
+        "grace_period_s": 1,
+    }
+    path = out / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with open(out / "gateway.log", "ab") as log:
+        return start_gateway(str(path), [], stdout=log), port
+
+
+def run_setting(out: Path, base: dict, orchestrator: str, tokens: list[int], repeats: int) -> dict:
+    gateway, port = _start_gateway(out, base, orchestrator)
+    grpc_client, http_client = GrpcClient(orchestrator), HttpClient(port)
+    try:
+        measure(grpc_client, http_client, tokens, 3)  # warm-up: connections, caches
+        samples = measure(grpc_client, http_client, tokens, repeats)
+    finally:
+        grpc_client.close()
+        http_client.close()
+        stop_local([gateway])
+    return {"repeats": repeats, "tokens": tokens, **summarise(samples, tokens)}
+
+
+def stub_setting(out: Path, tokens: list[int], repeats: int) -> dict:
+    port = free_port()
+    log = open(out / "stub.log", "ab")  # noqa: SIM115 - the child owns it
+    stub = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.gateway_overhead", "--stub-server", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    try:
+        wait_healthy(f"127.0.0.1:{port}", 60, [stub])
+        base = {"draft": {"model": "unused"}, "target": {"model": "unused"}}
+        return run_setting(out, base, f"127.0.0.1:{port}", tokens, repeats)
+    finally:
+        stop_local([stub])
+
+
+def stack_setting(out: Path, args, tokens: list[int], repeats: int) -> dict:
+    services = start_services(out, args.draft, args.target, threads=args.threads)
+    try:
+        base = yaml.safe_load(services.config_path.read_text())
+        return run_setting(out, base, services.address("orchestrator"), tokens, repeats)
+    finally:
+        services.stop()
+
+
+# ---- report -----------------------------------------------------------------------------
+def markdown(results: dict) -> str:
+    lines = [
+        "| setting | path | total @1 token (ms) | total @N tokens (ms) | first text (ms) |"
+        " added per request (ms) | added per streamed token (ms) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in ("stub", "stack"):
+        r = results.get(name)
+        if not r:
+            continue
+        lo, hi = min(r["tokens"]), max(r["tokens"])
+        for path, label in (
+            ("grpc", "gRPC direct"),
+            ("http", "gateway JSON"),
+            ("sse", "gateway SSE"),
+        ):
+            m = r["median_ms"][path]
+            added = (
+                ("", "")
+                if path == "grpc"
+                else (
+                    f"{r[f'{path}_added_per_request_ms']:+.2f}",
+                    f"{r[f'{path}_added_per_token_ms']:+.3f}",
+                )
+            )
+            lines.append(
+                f"| {name} (N={hi}) | {label} | {m['total_ms'][lo]:.2f} | {m['total_ms'][hi]:.2f}"
+                f" | {m['first_ms'][lo]:.2f} | {added[0]} | {added[1]} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stub-server", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tokens", type=int, default=64, help="N: the long request's tokens")
+    ap.add_argument("--stub-repeats", type=int, default=200)
+    ap.add_argument("--stack-repeats", type=int, default=30)
+    ap.add_argument("--skip-stack", action="store_true", help="only the scripted orchestrator")
+    ap.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each model service")
+    args = ap.parse_args(argv)
+    if args.stub_server:
+        asyncio.run(_serve_stub(args.stub_server))
+        return 0
+    if args.quick:
+        args.stub_repeats, args.stack_repeats = 20, 3
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or REPO / "results" / f"gateway-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = [1, args.tokens]
+    results: dict = {
+        "machine": {
+            "cpu_model": cpu_model(),
+            "cpu_cores": os.cpu_count(),
+            "load_average_start": list(os.getloadavg()),
+            "git_commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+    }
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    results["stub"] = stub_setting(out, tokens, args.stub_repeats)
+    if not args.skip_stack:
+        results["stack"] = stack_setting(out, args, tokens, args.stack_repeats)
+    results["machine"]["load_average_end"] = list(os.getloadavg())
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (out / "results.md").write_text(
+        table + f"\nload average: start {results['machine']['load_average_start']}, "
+        f"end {results['machine']['load_average_end']}\n"
+    )
+    print(table)
+    print(f"load average at end: {os.getloadavg()}\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
