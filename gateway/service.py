@@ -64,7 +64,8 @@ async def serve(cfg: Config) -> RunningGateway:
         # A client that disconnects cancels its handler, and so its gRPC call.
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=g.grace_period_s,
+        # aiohttp reads 0 as "no limit": a grace period of 0 means (almost) none.
+        shutdown_timeout=max(g.grace_period_s, 0.01),
     )
     await runner.setup()
     site = web.TCPSite(runner, g.host, g.port, ssl_context=server_ssl_context(g.tls))

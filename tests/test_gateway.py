@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import time
 
 import grpc
@@ -298,3 +299,26 @@ def test_chat_with_the_model_template_refuses_a_model_without_one(tmp_path, llam
             client(g).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
     assert err.value.body["param"] == "messages"
     assert "no chat template" in err.value.body["message"]
+
+
+# ---- graceful shutdown ----------------------------------------------------------------------
+def test_sigterm_lets_a_stream_in_flight_finish(tmp_path, llama_stack):
+    with gateway(
+        tmp_path, llama_stack.config, llama_stack.orchestrator_address, grace_period_s=20
+    ) as g:
+        body = json.dumps(
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": 150, "temperature": 0, "stream": True}
+        )
+        conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.read(7) == b"data: {"
+        g.proc.send_signal(signal.SIGTERM)  # mid-stream
+        rest = r.read()
+        conn.close()
+        assert rest.endswith(b"data: [DONE]\n\n")
+        events = [json.loads(e[6:]) for e in (b"data: {" + rest).split(b"\n\n")[:-2]]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert g.proc.wait(30) == 0
+        with pytest.raises(OSError):  # and it no longer listens
+            http.client.HTTPConnection("127.0.0.1", g.port, timeout=5).request("GET", "/health")
