@@ -47,6 +47,7 @@ from .upstream import EmptyStream, Orchestrator, Stream
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Shape = CompletionShape | ChatShape
 # Recorded for a client that went away before the response was complete (nginx's code).
 CLIENT_CLOSED = 499
 
@@ -86,9 +87,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, ChatShape)
 
 
-async def _generate(
-    request: web.Request, shape_cls: type[CompletionShape] | type[ChatShape]
-) -> web.StreamResponse:
+async def _generate(request: web.Request, shape_cls: type[Shape]) -> web.StreamResponse:
     state = _state(request)
     if state.draining:
         raise ApiError(503, "the gateway is shutting down; retry", code="unavailable")
@@ -113,7 +112,7 @@ async def _generate(
         stream.call.cancel()  # a no-op once finished; frees the sessions of a client gone
 
 
-async def _collect(shape, stream: Stream, headers: dict) -> web.Response:
+async def _collect(shape: Shape, stream: Stream, headers: dict) -> web.Response:
     text, stats = [], None
     try:
         async for message in stream.messages():
@@ -129,7 +128,7 @@ async def _collect(shape, stream: Stream, headers: dict) -> web.Response:
 
 
 async def _stream_events(
-    request: web.Request, shape, stream: Stream, headers: dict
+    request: web.Request, shape: Shape, stream: Stream, headers: dict
 ) -> web.StreamResponse:
     """Server-sent events: ``data: <chunk>`` each, ``data: [DONE]`` last.
 
