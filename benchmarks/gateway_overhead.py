@@ -11,8 +11,10 @@ persistent connections on both paths, in two settings:
 * **stack**: draft, target and orchestrator on the demo pair (models/demo),
   greedy, one chunk per speculation step, as users see it.
 
-Per request: the median at 1 token, gateway minus direct. Per streamed token:
-the slope between 1 and N tokens, gateway minus direct, divided by N - 1.
+Per request: gateway minus direct at 1 token. Per streamed token: the growth
+from 1 to N tokens, gateway minus direct, divided by N - 1. Both are medians
+(with quartiles) of differences paired request by request: the paths take turns,
+so a slow spell of a shared machine shifts both sides of a pair alike.
 Prints a table and writes ``results.json`` and ``results.md`` (with the load
 average before and after) to ``--out`` (default ``results/gateway-<time>/``).
 
@@ -163,26 +165,46 @@ def measure(
     return out
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def summarise(samples: dict, tokens: list[int]) -> dict:
+    """Medians of each path, and the gateway's added time as medians (with quartiles)
+    of differences paired request by request, which a slow spell of the machine
+    shifts on both sides alike."""
     lo, hi = min(tokens), max(tokens)
 
     def med(path: str, n: int, i: int) -> float:
-        return statistics.median(s[i] for s in samples[path][n])
+        return statistics.median(s[i] for s in samples[path][n]) * 1e3
 
-    rows = {}
-    for path in PATHS:
-        rows[path] = {
-            "total_ms": {n: med(path, n, 1) * 1e3 for n in tokens},
-            "first_ms": {n: med(path, n, 0) * 1e3 for n in tokens},
+    result: dict = {
+        "median_ms": {
+            path: {
+                "total_ms": {n: med(path, n, 1) for n in tokens},
+                "first_ms": {n: med(path, n, 0) for n in tokens},
+            }
+            for path in PATHS
         }
-    result = {"median_ms": rows}
+    }
+    direct_lo, direct_hi = samples["grpc"][lo], samples["grpc"][hi]
     for path in ("http", "sse"):
-        per_request = rows[path]["total_ms"][lo] - rows["grpc"]["total_ms"][lo]
-        slope = (rows[path]["total_ms"][hi] - rows[path]["total_ms"][lo]) / (hi - lo)
-        slope_grpc = (rows["grpc"]["total_ms"][hi] - rows["grpc"]["total_ms"][lo]) / (hi - lo)
-        result[f"{path}_added_per_request_ms"] = per_request
-        result[f"{path}_added_per_token_ms"] = slope - slope_grpc
-    result["sse_added_first_byte_ms"] = rows["sse"]["first_ms"][lo] - rows["grpc"]["first_ms"][lo]
+        gw_lo, gw_hi = samples[path][lo], samples[path][hi]
+        per_request = [(g[1] - d[1]) * 1e3 for g, d in zip(gw_lo, direct_lo, strict=True)]
+        per_token = [
+            ((gh[1] - gl[1]) - (dh[1] - dl[1])) * 1e3 / (hi - lo)
+            for gl, gh, dl, dh in zip(gw_lo, gw_hi, direct_lo, direct_hi, strict=True)
+        ]
+        first = [(g[0] - d[0]) * 1e3 for g, d in zip(gw_lo, direct_lo, strict=True)]
+        for name, values in (
+            ("added_per_request_ms", per_request),
+            ("added_per_token_ms", per_token),
+            ("added_first_text_ms", first),
+        ):
+            q1, q2, q3 = _quartiles(values)
+            result[f"{path}_{name}"] = q2
+            result[f"{path}_{name}_quartiles"] = [q1, q3]
     return result
 
 
@@ -245,7 +267,7 @@ def stack_setting(out: Path, args, tokens: list[int], repeats: int) -> dict:
 def markdown(results: dict) -> str:
     lines = [
         "| setting | path | total @1 token (ms) | total @N tokens (ms) | first text (ms) |"
-        " added per request (ms) | added per streamed token (ms) |",
+        " added per request (ms) [quartiles] | added per streamed token (ms) [quartiles] |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in ("stub", "stack"):
@@ -259,14 +281,13 @@ def markdown(results: dict) -> str:
             ("sse", "gateway SSE"),
         ):
             m = r["median_ms"][path]
-            added = (
-                ("", "")
-                if path == "grpc"
-                else (
-                    f"{r[f'{path}_added_per_request_ms']:+.2f}",
-                    f"{r[f'{path}_added_per_token_ms']:+.3f}",
+            added = ("", "")
+            if path != "grpc":
+                added = tuple(
+                    f"{r[f'{path}_{key}']:+.{d}f} [{q[0]:+.{d}f}, {q[1]:+.{d}f}]"
+                    for key, d in (("added_per_request_ms", 2), ("added_per_token_ms", 3))
+                    for q in [r[f"{path}_{key}_quartiles"]]
                 )
-            )
             lines.append(
                 f"| {name} (N={hi}) | {label} | {m['total_ms'][lo]:.2f} | {m['total_ms'][hi]:.2f}"
                 f" | {m['first_ms'][lo]:.2f} | {added[0]} | {added[1]} |"
