@@ -42,6 +42,9 @@ def secure(tmp_path_factory, llama_pair):
         orchestrator__upstream_tls={"ca": str(pki / "ca.pem")},
         orchestrator__auth_tokens=[TOKEN],
         orchestrator__tokenizer=str(tmp / "tokenizer"),
+        orchestrator__grace_period_s=1,
+        draft__grace_period_s=1,
+        target__grace_period_s=1,
     ) as stack:
         with gateway(
             tmp / "gw",
