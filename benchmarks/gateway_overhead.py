@@ -29,6 +29,7 @@ import datetime
 import http.client
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -327,19 +328,30 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    results["stub"] = stub_setting(out, tokens, args.stub_repeats)
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so that the services are stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    settings = [("stub", lambda: stub_setting(out, tokens, args.stub_repeats))]
     if not args.skip_stack:
-        results["stack"] = stack_setting(out, args, tokens, args.stack_repeats)
-    results["machine"]["load_average_end"] = list(os.getloadavg())
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (out / "results.md").write_text(
-        table + f"\nload average: start {results['machine']['load_average_start']}, "
-        f"end {results['machine']['load_average_end']}\n"
-    )
-    print(table)
-    print(f"load average at end: {os.getloadavg()}\nwrote {out}")
+        settings.append(("stack", lambda: stack_setting(out, args, tokens, args.stack_repeats)))
+    for name, run in settings:
+        results[name] = run()
+        results["machine"]["load_average_end"] = list(os.getloadavg())
+        write_results(out, results)  # after each setting: a partial run keeps what it measured
+        print(f"{name}: done, load average {os.getloadavg()}", flush=True)
+    print(markdown(results))
+    print(f"wrote {out}")
     return 0
+
+
+def write_results(out: Path, results: dict) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    machine = results["machine"]
+    (out / "results.md").write_text(
+        markdown(results) + f"\nload average (1, 5, 15 min): start "
+        f"{[round(x, 2) for x in machine['load_average_start']]}, end "
+        f"{[round(x, 2) for x in machine['load_average_end']]}; {machine['cpu_cores']} cores, "
+        f"{machine['cpu_model']}\n"
+    )
 
 
 if __name__ == "__main__":
