@@ -19,11 +19,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	touch $@
 
 # Prometheus' binaries for the observability tests (a real server, not a mock).
+# The package may also start a system Prometheus service: it is left alone (the
+# tests start their own on free ports and stop only that, by its process id).
 system-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
 	  ( $(SUDO) apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus )
-	@pkill -x prometheus 2>/dev/null || true  # the package may start its own; tests start theirs
 
 # Start draft, target and orchestrator on the bundled demo pair, generate, stop.
 demo: setup

@@ -10,7 +10,7 @@
 * greedy agreement = fraction of positions where argmax p == argmax q, along
   the target's greedy continuation (alpha of greedy decoding);
 * c = (time of one draft decode step with KV cache) / (time of one target
-  decode step), measured in-process with ``specdec.model.ModelRunner``: median
+  decode step), measured in-process with ``specdec.runtime.ragged.RaggedRunner``: median
   of many steps after warm-up, draft and target interleaved;
 * v(g) = (time of a target forward over g + 1 tokens) / (one decode step): the
   verify pass is not free on a CPU;
@@ -29,13 +29,15 @@ import time
 import torch
 
 from specdec.config import OrchestratorConfig
-from specdec.model import ModelRunner, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.loading import load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 from specdec.sampling import (
     SamplingParams,
     acceptance_rate,
     expected_speedup,
     expected_tokens_per_step,
     probs_from_logits,
+    sparse_q,
 )
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, load_prompts, model_summary
@@ -81,12 +83,9 @@ def _continue(model, ids: torch.Tensor, new_tokens: int, params: SamplingParams,
 
 
 def _wire_q(logits: torch.Tensor, params: SamplingParams, k: int) -> torch.Tensor:
-    """q truncated to its k most likely entries and renormalized, as the draft sends it."""
-    if params.greedy:
-        return probs_from_logits(logits, params)
-    k = min(k, logits.shape[-1])
-    vals, ids = torch.topk(logits.float() / params.temperature, k, dim=-1)
-    return torch.zeros(logits.shape, dtype=torch.float32).scatter_(-1, ids, vals.softmax(-1))
+    """q as the draft service sends it (``sparse_q``: k entries at most, tail spread):
+    logits [m, vocab] -> [m, vocab]."""
+    return torch.stack([sparse_q(row, params, k, 0.0).dense(dtype=torch.float32) for row in logits])
 
 
 @torch.inference_mode()
@@ -155,15 +154,15 @@ def _sync(device: torch.device) -> None:
 def decode_step_times(model, prompt_ids: list[int], steps: int, warmup: int) -> list[float]:
     """Seconds of each single-token decode step with KV cache (after ``warmup`` steps)."""
     device = next(model.parameters()).device
-    runner = ModelRunner(model, str(device))
-    session = runner.new_session("bench")
-    logits = runner.forward(session, prompt_ids)
+    runner = RaggedRunner(model)
+    kv = SessionKV()
+    (logits,) = runner.forward([Feed(kv, prompt_ids, 1)])
     tok = int(logits[-1].argmax())
     times = []
     for i in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
-        logits = runner.forward(session, [tok])
+        (logits,) = runner.forward([Feed(kv, [tok], 1)])
         _sync(device)
         dt = time.perf_counter() - t0
         tok = int(logits[-1].argmax())
@@ -175,19 +174,19 @@ def decode_step_times(model, prompt_ids: list[int], steps: int, warmup: int) -> 
 def forward_times(model, prompt_ids: list[int], width: int, repeats: int) -> float:
     """Median seconds of one forward over ``width`` new tokens with a cached prefix."""
     device = next(model.parameters()).device
-    runner = ModelRunner(model, str(device))
-    session = runner.new_session("bench")
-    runner.forward(session, prompt_ids)
-    base = session.length
+    runner = RaggedRunner(model)
+    kv = SessionKV()
+    runner.forward([Feed(kv, prompt_ids, 0)])
+    base = kv.length
     feed = prompt_ids[-width:] if len(prompt_ids) >= width else (prompt_ids * width)[:width]
     times = []
     for i in range(repeats + 3):
         _sync(device)
         t0 = time.perf_counter()
-        runner.forward(session, feed, logits_to_keep=width)
+        runner.forward([Feed(kv, feed, width)])
         _sync(device)
         dt = time.perf_counter() - t0
-        session.truncate(base)
+        kv.truncate(base)
         if i >= 3:
             times.append(dt)
     return statistics.median(times)

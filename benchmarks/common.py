@@ -1,5 +1,7 @@
-"""What the benchmark scripts share: the prompt set, machine information and
-Prometheus scraping. No measurement logic lives here.
+"""What the benchmark scripts share: the prompt set, machine information,
+Prometheus scraping, starting the services (through ``specdec.local.stack``,
+the same harness as the tests) and a thin Generate client. No measurement
+logic lives here.
 """
 
 from __future__ import annotations
@@ -9,8 +11,14 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from urllib.request import urlopen
+
+import grpc
+
+from specdec.local.stack import Stack, start_local, write_config
+from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = REPO / "models" / "demo" / "draft"
@@ -82,7 +90,7 @@ def machine_info(device: str) -> dict:
     import transformers
 
     info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -150,3 +158,97 @@ def pick(samples: dict[Sample, float], name: str, **labels: str) -> float:
         if n == name and all(dict(lab).get(k) == val for k, val in labels.items()):
             total += v
     return total
+
+
+def start_services(
+    out: Path,
+    draft: str,
+    target: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    threads: int = 2,
+    draft_threads: int | None = None,
+) -> Stack:
+    """Draft, target and orchestrator on free ports (``specdec.local.stack``), logging
+    into ``out/logs``; returns once all three are healthy."""
+    sections = {
+        role: {
+            "device": device,
+            "dtype": dtype,
+            "torch_threads": draft_threads if role == "draft" and draft_threads else threads,
+        }
+        for role in ("draft", "target")
+    }
+    # Generous: a benchmark must not fall back to plain decoding on a slow step.
+    sections["orchestrator"] = {"draft_timeout_s": 10.0, "max_concurrent_requests": 32}
+    out.mkdir(parents=True, exist_ok=True)
+    path, cfg = write_config(out, draft, target, **sections)
+    (out / "services.yaml").write_text(path.read_text())
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(path, cfg, log_dir=log_dir)
+    stack.procs = start_local(str(path), [], log_dir=log_dir)
+    return stack
+
+
+class Client:
+    """One channel to an orchestrator; ``generate`` returns the request's numbers."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int, **fields) -> dict:
+        """One Generate. ``fields``: GenerateRequest fields (temperature, gamma, overlap,
+        seed, dense, ...); a gamma or seed of None is left unset."""
+        fields = {k: v for k, v in fields.items() if v is not None}
+        req = orchestrator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **fields)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        t0 = time.perf_counter()
+        tokens, stats = 0, None
+        for msg in self.stub.Generate(req, timeout=600):
+            if msg.HasField("chunk"):
+                tokens += len(msg.chunk.token_ids)
+            else:
+                stats = msg.stats
+        wall = time.perf_counter() - t0
+        s = stats
+        return {
+            "tokens": s.generated_tokens if s else tokens,
+            "wall_s": wall,
+            "server_s": s.total_time_s,
+            "ttft_s": s.time_to_first_token_s,
+            "steps": s.steps,
+            "drafted": s.drafted_tokens,
+            "accepted": s.accepted_tokens,
+            "judged": s.judged_tokens,
+            "wire_bytes": s.wire_bytes_per_token * s.generated_tokens,
+            "round_trips": s.round_trips,
+            "fallback_steps": s.fallback_steps,
+            "overlapped_steps": s.overlapped_steps,
+            "gamma_sum": s.mean_gamma * s.steps,
+            "steps_s": s.steps_s,
+            "draft_forward_s": s.draft_forward_s,
+            "target_forward_s": s.target_forward_s,
+            "finish": s.finish_reason,
+        }
+
+
+def info_rtt_ms(address: str, calls: int = 30) -> float:
+    """Median latency of a draft service's Info RPC at ``address`` (through a proxy or not)."""
+    with grpc.insecure_channel(address) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        stub.Info(common_pb2.InfoRequest(), timeout=10)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            stub.Info(common_pb2.InfoRequest(), timeout=10)
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e3

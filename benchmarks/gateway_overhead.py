@@ -39,11 +39,16 @@ from pathlib import Path
 import grpc
 import yaml
 
-from specdec.cli import start_gateway, stop_local, wait_healthy
+from specdec.local.stack import (
+    free_port,
+    local_stack,
+    start_gateway,
+    stop_local,
+    wait_healthy,
+)
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, REPO, cpu_model, git_commit
-from .stack import free_port, start_services
 
 MODEL = "bench"
 
@@ -256,12 +261,17 @@ def stub_setting(out: Path, tokens: list[int], repeats: int) -> dict:
 
 
 def stack_setting(out: Path, args, tokens: list[int], repeats: int) -> dict:
-    services = start_services(out, args.draft, args.target, threads=args.threads)
-    try:
-        base = yaml.safe_load(services.config_path.read_text())
-        return run_setting(out, base, services.address("orchestrator"), tokens, repeats)
-    finally:
-        services.stop()
+    with local_stack(
+        out / "stack",
+        args.draft,
+        args.target,
+        log_dir=out / "logs",
+        draft__torch_threads=args.threads,
+        target__torch_threads=args.threads,
+        # Generous: a benchmark must not fall back to plain decoding on a slow step.
+        orchestrator__draft_timeout_s=10.0,
+    ) as stack:
+        return run_setting(out, stack.config, stack.orchestrator_address, tokens, repeats)
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -324,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_cores": os.cpu_count(),
             "load_average_start": list(os.getloadavg()),
             "git_commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
     }
     print(f"load average at start: {os.getloadavg()}", flush=True)

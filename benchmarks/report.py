@@ -1,396 +1,443 @@
-"""results.json -> results.md (Markdown tables) and the printed summary."""
+"""Derived numbers, the issues' criteria, and the Markdown report of a benchmark run.
+
+Every ratio is of two numbers measured in the same run. ``derive`` adds them to
+the results; ``markdown`` writes results.md; ``summary`` is what the run prints.
+"""
 
 from __future__ import annotations
 
-TEMPS = ("0", "1")
-STAGES = (
-    "draft_forward",
-    "draft_service",
-    "draft_network",
-    "target_forward",
-    "target_service",
-    "target_network",
-    "rollback",
-    "orchestrator",
-)
+from specdec.sampling import expected_tokens_per_step
+
+TEMPS = ((0.0, "0", "greedy"), (1.0, "1", "T=1"))
 
 
-def _t(t: str) -> str:
-    return "greedy" if t == "0" else f"T={t}"
+def _best(rows: dict, t: str, prefix: str) -> tuple[str, dict] | None:
+    cands = {k: v for k, v in rows.items() if k.startswith(prefix) and k.endswith(f"@{t}")}
+    return max(cands.items(), key=lambda kv: kv[1]["tok_s"]) if cands else None
 
 
-def _f(x, fmt: str = ".2f", none: str = "-") -> str:
-    return none if x is None else format(x, fmt)
+def _gamma(name: str) -> int:
+    return int("".join(ch for ch in name.split("@")[0] if ch.isdigit()) or 0)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+def bound(alpha: float, gamma: int, c: float, v: float) -> float:
+    """The cost model's speedup bound: E(alpha, gamma) / (gamma c + v(gamma))."""
+    return expected_tokens_per_step(alpha, gamma) / (gamma * c + v)
 
 
-def throughput_rows(r: dict, t: str) -> list[list[str]]:
-    sweep, hf = r["services"], r["hf"]["results"]
-    best = r["best_gamma"][t]
-    plain = sweep[f"0@{t}"]
-    rows = [
-        [
-            "plain decoding through the target service (gamma 0)",
-            "0",
-            _f(plain["tok_s"], ".1f"),
-            "1.00x",
-            "-",
-            "-",
-            "1.00 / 1.00",
-            "-",
-        ]
-    ]
-    for _key, v in sorted(
-        ((k, v) for k, v in sweep.items() if v["temperature"] == float(t) and v["gamma"]),
-        key=lambda kv: kv[1]["gamma"],
-    ):
-        frac = v.get("fraction_of_theoretical")
-        rows.append(
-            [
-                "specdec" + (" (best)" if v["gamma"] == best else ""),
-                str(v["gamma"]),
-                _f(v["tok_s"], ".1f"),
-                _f(v["speedup"], ".2f") + "x",
-                _f(v.get("theoretical_speedup"), ".2f") + "x",
-                _f(frac * 100 if frac is not None else None, ".0f") + "%",
-                f"{v['tokens_per_step']:.2f} / {v.get('expected_tokens_per_step', 0):.2f}",
-                _f(v.get("acceptance"), ".2f"),
-            ]
-        )
-    wide = r.get("services_wide")
-    if wide and t == "1":
-        k = wide["wire_top_k"]
-        for v in sorted(wide["rows"].values(), key=lambda v: v["gamma"]):
-            frac = v.get("fraction_of_theoretical")
-            base = plain["tok_s"]
-            rows.append(
-                [
-                    f"wire_top_k {k}: "
-                    + ("plain (gamma 0, re-measured)" if not v["gamma"] else "specdec")
-                    + (" (best)" if v["gamma"] and v["gamma"] == wide["best_gamma"] else ""),
-                    str(v["gamma"]),
-                    _f(v["tok_s"], ".1f"),
-                    _f(v["tok_s"] / base, ".2f") + "x",
-                    _f(v.get("theoretical_speedup"), ".2f") + ("x" if v["gamma"] else ""),
-                    _f(frac * 100 if frac is not None else None, ".0f")
-                    + ("%" if v["gamma"] else ""),
-                    f"{v['tokens_per_step']:.2f} / {v.get('expected_tokens_per_step', 1.0):.2f}",
-                    _f(v.get("acceptance"), ".2f"),
-                ]
-            )
-    names = {
-        "hf_plain": "HF `generate`, plain, in-process",
-        "hf_assisted": "HF assisted generation (defaults), in-process",
-        "hf_assisted_fixed": "HF assisted generation (fixed gamma, constant), in-process",
-    }
-    for mode in ("hf_plain", "hf_assisted", "hf_assisted_fixed"):
-        v = hf.get(f"{mode}@{t}")
-        if v is None:
+def derive(r: dict) -> None:
+    """Speedups, the cost-model bound and the criteria, added to ``r``."""
+    d: dict = {}
+    an = r.get("analysis")
+    hf = r.get("hf", {})
+    for section, hf_key in (("services", "shared"), ("pinned", "target_core")):
+        rows = r.get(section)
+        if not rows:
             continue
-        g = "-"
-        if mode == "hf_assisted_fixed":
-            g = str(r["hf"]["fixed_gamma"])
-        elif mode == "hf_assisted":
-            g = "auto"
-        rows.append(
+        out = {}
+        hf_rows = hf.get(hf_key, {})
+        for _, t, _ in TEMPS:
+            plain = rows[f"plain@{t}"]["tok_s"]
+            seq = _best(rows, t, "seq")
+            ovl = _best(rows, t, "ovl")
+            assisted = _best(hf_rows, t, "assisted") if hf_rows else None
+            entry = {
+                "plain_tok_s": plain,
+                "best_seq": {"name": seq[0], "tok_s": seq[1]["tok_s"]},
+                "best_overlapped": {"name": ovl[0], "tok_s": ovl[1]["tok_s"]},
+                "adaptive_tok_s": rows[f"adaptive@{t}"]["tok_s"],
+            }
+            if hf_rows:
+                entry["hf_plain_tok_s"] = hf_rows[f"plain@{t}"]["tok_s"]
+                entry["hf_best_assisted"] = {"name": assisted[0], "tok_s": assisted[1]["tok_s"]}
+            g = _gamma(ovl[0])
+            entry["overlapped_vs_sequential_same_gamma"] = (
+                ovl[1]["tok_s"] / rows[f"seq{g}@{t}"]["tok_s"] if f"seq{g}@{t}" in rows else None
+            )
+            if an:
+                c = an["cost"]["c"]
+                vg = an["cost"]["verify_cost_ratio"]
+                bounds = {}
+                for name, row in rows.items():
+                    if name.startswith("seq") and name.endswith(f"@{t}") and row["alpha"]:
+                        gamma = _gamma(name)
+                        b = bound(row["alpha"], gamma, c, vg.get(str(gamma), 1.0))
+                        paper = bound(row["alpha"], gamma, c, 1.0)
+                        bounds[name] = {
+                            "alpha": row["alpha"],
+                            "bound": b,
+                            "paper_formula": paper,
+                            "measured": row["tok_s"] / plain,
+                            "share_of_bound": row["tok_s"] / plain / b,
+                        }
+                entry["cost_model"] = bounds
+            out[t] = entry
+        d[section] = out
+    r["derived"] = d
+    r["criteria"] = criteria(r)
+
+
+def _check(name: str, value: float | None, goal: float, higher: bool = True) -> dict:
+    ok = value is not None and (value >= goal if higher else value <= goal)
+    return {"criterion": name, "value": value, "goal": goal, "higher_is_better": higher, "met": ok}
+
+
+def criteria(r: dict) -> list[dict]:
+    """The issues' numeric goals, each with its measured value."""
+    out = []
+    d = r.get("derived", {})
+    s = d.get("services", {})
+    rows = r.get("services", {})
+    hf = r.get("hf", {}).get("shared", {})
+    for _, t, label in TEMPS:
+        if t in s and hf:
+            out.append(
+                _check(
+                    f"15: plain through the target service / in-process generate(), {label}",
+                    s[t]["plain_tok_s"] / hf[f"plain@{t}"]["tok_s"],
+                    0.95,
+                )
+            )
+            out.append(
+                _check(
+                    f"15: specdec at its best gamma / assisted generation at its best k, {label}",
+                    s[t]["best_seq"]["tok_s"] / s[t]["hf_best_assisted"]["tok_s"],
+                    1.0,
+                )
+            )
+        if f"seq4@{t}" in rows:
+            out.append(
+                _check(
+                    f"15: orchestration overhead at gamma 4 (ms per step), {label}",
+                    rows[f"seq4@{t}"]["ms_per_step"]["overhead"],
+                    1.0,
+                    higher=False,
+                )
+            )
+        cm = s.get(t, {}).get("cost_model", {})
+        best = s.get(t, {}).get("best_seq", {}).get("name")
+        if best in cm:
+            out.append(
+                _check(
+                    f"15: share of the cost-model bound at the best gamma ({best}), {label}",
+                    cm[best]["share_of_bound"],
+                    0.9,
+                )
+            )
+    p = d.get("pinned", {})
+    phf = r.get("hf", {}).get("target_core", {})
+    for _, t, label in TEMPS:
+        if t in p and phf:
+            out.append(
+                _check(
+                    f"10: separate machines: overlapped / assisted on the target's core, {label}",
+                    p[t]["best_overlapped"]["tok_s"] / p[t]["hf_best_assisted"]["tok_s"],
+                    1.3,
+                )
+            )
+            out.append(
+                _check(
+                    f"10: separate machines: overlapped / sequential at the same gamma, {label}",
+                    p[t]["overlapped_vs_sequential_same_gamma"],
+                    1.15,
+                )
+            )
+        if t in s:
+            out.append(
+                _check(
+                    f"10: shared cores: best overlapped / best sequential, {label}",
+                    s[t]["best_overlapped"]["tok_s"] / s[t]["best_seq"]["tok_s"],
+                    1.0,
+                )
+            )
+    rtt = r.get("rtt", {})
+    for key, point in rtt.items():
+        rows_ = point["rows"]
+        for _, t, label in TEMPS:
+            plain = rows_[f"plain@{t}"]["tok_s"]
+            adaptive = rows_[f"adaptive@{t}"]["tok_s"]
+            fixed = [v["tok_s"] for k, v in rows_.items() if k.endswith(f"@{t}") and k[0] in "so"]
+            if key == "10":
+                out.append(
+                    _check(f"10: +10 ms RTT: adaptive / plain, {label}", adaptive / plain, 1.5)
+                )
+            if float(key) in r["plan"]["rtt_full_sweep_ms"] and fixed:
+                out.append(
+                    _check(
+                        f"10: +{key} ms RTT: adaptive / best fixed gamma, {label}",
+                        adaptive / max(fixed),
+                        0.95,
+                    )
+                )
+            out.append(
+                _check(
+                    f"10: +{key} ms RTT: adaptive / plain (never below), {label}",
+                    adaptive / plain,
+                    1.0,
+                )  # fmt: skip
+            )
+    conc = r.get("concurrency", {})
+    if "1" in conc and "8" in conc:
+        best_mode = max(("adaptive", "seq4"), key=lambda m: conc["8"][m]["tok_s"])
+        out.append(
+            _check(
+                f"14: 8 clients: aggregate / one client's ({best_mode})",
+                conc["8"][best_mode]["tok_s"] / conc["1"][best_mode]["tok_s"],
+                4.0,
+            )
+        )
+        out.append(
+            _check(
+                f"14: 8 clients: p50 latency / a lone request's ({best_mode})",
+                conc["8"][best_mode]["p50_latency_s"] / conc["1"][best_mode]["p50_latency_s"],
+                2.5,
+                higher=False,
+            )
+        )
+    for n, row in conc.items():
+        out.append(
+            _check(
+                f"14: {n} clients: adaptive specdec / plain batched",
+                row["adaptive"]["tok_s"] / row["plain"]["tok_s"],
+                1.0,
+            )  # fmt: skip
+        )
+    return out
+
+
+# ---- Markdown ------------------------------------------------------------------------------
+def _f(x, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(_f(c, 2) if isinstance(c, float) else str(c) for c in row) + " |"
+              for row in rows]  # fmt: skip
+    return lines + [""]
+
+
+def _rows_table(rows: dict, t: str, plain: float) -> list[str]:
+    out = []
+    for name, v in rows.items():
+        if not name.endswith(f"@{t}"):
+            continue
+        ms = v["ms_per_step"]
+        out.append(
             [
-                names[mode],
-                g,
-                _f(v["tok_s"], ".1f"),
-                _f(v["speedup_vs_services_plain"], ".2f") + "x",
-                "-",
-                "-",
-                "-",
-                "-",
+                name.split("@")[0],
+                round(v["tok_s"], 1),
+                round(v["tok_s"] / plain, 2),
+                round(v["tokens_per_step"], 2),
+                _f(v["alpha"], 3),
+                round(v["mean_gamma"], 2),
+                round(v["overlapped_share"], 2),
+                round(ms["step"], 2),
+                round(ms["draft_forward"], 2),
+                round(ms["target_forward"], 2),
+                round(ms["overhead"], 2),
+                round(v["wire_bytes_per_token"]),
             ]
         )
-    return rows
-
-
-def accounting(r: dict) -> list[str]:
-    """Milliseconds per generated token by component: plain vs the best gamma."""
-    names = {
-        "draft_forward": "draft forward passes",
-        "draft_service": "draft service overhead",
-        "draft_network": "draft network + gRPC",
-        "target_forward": "target forward passes",
-        "target_service": "target service overhead",
-        "target_network": "target network + gRPC",
-        "rollback": "rollback RPCs",
-        "orchestrator": "orchestrator (accept test, text, stream)",
-        "outside_steps": "outside steps (prefill, set-up, client)",
-        "total": "total (wall time / tokens)",
-    }
-    header = ["ms per generated token"]
-    cols = []
-    for t in TEMPS:
-        g = r["best_gamma"][t]
-        header += [f"{_t(t)} plain", f"{_t(t)} gamma {g}"]
-        cols += [r["services"][f"0@{t}"]["breakdown"], r["services"][f"{g}@{t}"]["breakdown"]]
-    rows = [
-        [label] + [_f(c["ms_per_token"].get(k), ".3f") if c else "-" for c in cols]
-        for k, label in names.items()
-    ]
-    return [
-        "### Per generated token: plain vs the best gamma",
-        "",
-        _table(header, rows),
-    ]
+    return _table(
+        [
+            "config",
+            "tok/s",
+            "vs plain",
+            "tokens/step",
+            "alpha (judged)",
+            "mean gamma",
+            "chained",
+            "ms/step",
+            "draft fwd",
+            "target fwd",
+            "overhead",
+            "B/token",
+        ],
+        out,
+    )
 
 
 def markdown(r: dict) -> str:
-    m, s, an = r["machine"], r["settings"], r["analysis"]
-    q, c = an["quality"], an["cost"]
-    d, tg = r["models"]["draft"], r["models"]["target"]
-    out = [
-        "# specdec benchmark results",
+    m = r["machine"]
+    lines = [
+        "# specdec benchmark",
         "",
-        f"{m['date']} on {m['cpu_model']} ({m['cpu_cores']} cores"
-        + (f", {m['gpu']}" if m.get("gpu") else "")
-        + f"), device {s['device']}, {s['dtype']}; torch {m['torch']}, transformers "
-        f"{m['transformers']}, grpcio {m['grpc']}; commit {m.get('git_commit', '')}. "
-        f"Load average at start {m['load_average'][0]:.2f}, at end "
-        f"{m.get('load_average_end', [float('nan')])[0]:.2f}. Run took {r['seconds']:.0f} s"
-        + (" (--quick)." if s["quick"] else "."),
+        f"{m['date']}, commit {m['git_commit']}: {m['cpu_model']}, {m['cpu_cores']} cores, "
+        f"torch {m['torch']}, transformers {m['transformers']}, grpc {m['grpc']}; load average "
+        f"{', '.join(f'{x:.2f}' for x in m['load_average'])} at the start, "
+        f"{', '.join(f'{x:.2f}' for x in m.get('load_average_end', []))} at the end; "
+        f"{r.get('seconds', 0):.0f} s.",
+        f"Plan: {len(r['plan']['prompts'])} prompts x {r['plan']['max_new_tokens']} new tokens, "
+        f"median of {r['plan']['repeats']} interleaved repeats"
+        + (" (QUICK)" if r["plan"]["quick"] else ""),
         "",
-        f"* draft: `{d['path']}`, {d['architecture']}, {d['parameters'] / 1e6:.2f} M parameters "
-        f"({d['layers']} layers, width {d['hidden_size']}, vocab {d['vocab_size']})",
-        f"* target: `{tg['path']}`, {tg['architecture']}, {tg['parameters'] / 1e6:.2f} M "
-        f"parameters ({tg['layers']} layers, width {tg['hidden_size']})",
-        f"* {len(s['prompts'])} prompts x {s['max_new_tokens']} new tokens per configuration, "
-        f"median of {s['repeats']} repeats (interleaved); torch threads {s['torch_threads']} per "
-        "service (draft and target run one after the other within a request) and in-process; "
-        "sampling: greedy, or temperature 1 with no top-k / top-p; "
-        f"wire top-k {q['wire_top_k']}.",
+        "## Criteria",
         "",
-        "## The pair (benchmarks.analyze)",
-        "",
-        _table(
-            ["quantity", "value"],
+    ]
+    lines += _table(
+        ["criterion", "measured", "goal", "met"],
+        [
             [
-                ["alpha at T=1 (full q)", _f(q["alpha"], ".3f")],
-                [
-                    f"alpha at T=1 (q truncated to top-{q['wire_top_k']}, used below)",
-                    _f(q["alpha_wire_top_k"], ".3f"),
-                ],
-                [
-                    "alpha at T=1 by wire_top_k",
-                    ", ".join(f"{k}: {v:.3f}" for k, v in q.get("alpha_by_wire_top_k", {}).items()),
-                ],
-                ["greedy agreement (alpha of greedy decoding)", _f(q["greedy_agreement"], ".3f")],
-                ["draft decode step (in-process, median)", f"{c['draft_step_ms']:.3f} ms"],
-                ["target decode step (in-process, median)", f"{c['target_step_ms']:.3f} ms"],
-                ["cost ratio c", _f(c["c"], ".3f")],
-                [
-                    "verify cost v(g) = target forward over g+1 tokens / one step",
-                    ", ".join(f"{g}: {v:.2f}" for g, v in c["verify_cost_ratio"].items()),
-                ],
-                [
-                    "recommended gamma (formula)",
-                    f"{an['recommended_gamma']} (T=1), {an['recommended_gamma_greedy']} (greedy)",
-                ],
-            ],
-        ),
-        "",
-        "## Throughput: plain, speculative and assisted decoding",
-        "",
-        "Speedups are over plain decoding through the same target service (gamma 0); "
-        "theoretical = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) with alpha and c "
-        "from this run (alpha of the q actually sent: top-k truncated at T=1, greedy agreement "
-        "when greedy); tokens/step = measured mean (accepted + 1) / expected "
-        "(1 - alpha^(gamma+1)) / (1 - alpha)."
-        + (
-            f" The `wire_top_k {r['services_wide']['wire_top_k']}` rows come from a second "
-            "orchestrator with that setting on the same draft and target services; their "
-            "speedup is over the main plain row, their theory uses alpha at that k."
-            if r.get("services_wide")
-            else ""
-        ),
-    ]
-    header = [
-        "configuration",
-        "gamma",
-        "tok/s",
-        "speedup",
-        "theoretical",
-        "% of theory",
-        "tokens/step (meas. / exp.)",
-        "acceptance",
-    ]
-    for t in TEMPS:
-        out += ["", f"### {_t(t)}", "", _table(header, throughput_rows(r, t))]
-    ad = r["hf"]["assistant_defaults"]
-    out += [
-        "",
-        f"HF assisted generation defaults here: num_assistant_tokens {ad['num_assistant_tokens']}, "
-        f"schedule {ad['num_assistant_tokens_schedule']}, confidence threshold "
-        f"{ad['assistant_confidence_threshold']} (None = transformers' built-in default: 20, "
-        "constant, 0.4).",
-        "",
-        "## Where a step's time goes",
-        "",
-        "Milliseconds per step from the /metrics deltas: forward = the model's forward passes "
-        "(service side), service = server RPC time minus forward (validation, sampling, "
-        "protobuf, thread hop), network = the orchestrator's stage time minus the server RPC "
-        "time (loopback TCP, gRPC, (de)serialization, the orchestrator's handling of the "
-        "messages), orchestrator = the rest of the step (acceptance test, text, streaming). "
-        "ms/token adds the time outside steps (prefill, stream set-up, client).",
-    ]
-    for t in TEMPS:
-        rows = []
-        for g in [0, *s["gammas"]]:
-            b = r["services"][f"{g}@{t}"]["breakdown"]
-            if not b:
-                continue
-            ps, pt = b["ms_per_step"], b["ms_per_token"]
-            rows.append(
-                [str(g)]
-                + [_f(ps[k], ".2f") for k in STAGES]
-                + [
-                    _f(ps["step_total"], ".2f"),
-                    _f(pt["outside_steps"], ".2f"),
-                    _f(pt["total"], ".2f"),
-                ]
-            )
-        out += [
+                c["criterion"],
+                _f(c["value"], 2),
+                ("<= " if not c["higher_is_better"] else ">= ") + _f(c["goal"], 2),
+                "yes" if c["met"] else "**no**",
+            ]
+            for c in r.get("criteria", [])
+        ],
+    )
+    an = r.get("analysis")
+    if an:
+        q, c = an["quality"], an["cost"]
+        lines += [
+            "## The pair",
             "",
-            f"### {_t(t)}",
+            f"alpha at T=1: {q['alpha']} (full q), {q['alpha_wire_top_k']} (q as sent, "
+            f"top-{q['wire_top_k']} with its tail); greedy agreement {q['greedy_agreement']}; "
+            f"draft step {c['draft_step_ms']:.3f} ms, target step {c['target_step_ms']:.3f} ms, "
+            f"c = {c['c']}; v(g) = "
+            + ", ".join(f"{g}: {v:.2f}" for g, v in c["verify_cost_ratio"].items()),
             "",
-            _table(
-                [
-                    "gamma",
-                    "draft fwd",
-                    "draft svc",
-                    "draft net",
-                    "target fwd",
-                    "target svc",
-                    "target net",
-                    "rollback",
-                    "orch.",
-                    "step total",
-                    "outside steps ms/tok",
-                    "ms/token",
-                ],
-                rows,
-            ),
         ]
-    out += ["", *accounting(r)]
-    rtt = r["rtt"]["points"]
-    out += [
-        "",
-        "## Added network round-trip time",
-        "",
-        "Draft and target reached through `benchmarks.delay_proxy` (half the RTT each way, per "
-        "chunk) by a second orchestrator; plain = gamma 0 through the same proxies. "
-        f"{len(s['prompts'][: s['rtt_prompts']])} prompts, median of {s['rtt_repeats']}. "
-        "Info call = measured latency of one small RPC through the proxy.",
-        "",
-        _table(
-            ["added RTT ms", "Info call ms"]
-            + [f"{_t(t)} {x}" for t in TEMPS for x in ("plain tok/s", "spec tok/s", "speedup")],
+    hf = r.get("hf")
+    if hf:
+        lines += ["## transformers in-process (tok/s)", ""]
+        names = list(hf["shared"])
+        lines += _table(
+            ["mode", "both cores, 2 threads", "the target's core, 1 thread"],
             [
-                [k, _f(v["info_call_ms"], ".2f")]
-                + [
-                    y
-                    for t in TEMPS
-                    for y in (
-                        _f(v[f"T{t}"]["plain_tok_s"], ".1f"),
-                        _f(v[f"T{t}"]["spec_tok_s"], ".1f") + f" (g={v[f'T{t}']['gamma']})",
-                        _f(v[f"T{t}"]["speedup"], ".2f") + "x",
-                    )
+                [n, round(hf["shared"][n]["tok_s"], 1), round(hf["target_core"][n]["tok_s"], 1)]
+                for n in names
+            ],
+        )
+    for section, title in (
+        ("services", "Services sharing the cores"),
+        ("pinned", "Services pinned, one core each (separate machines)"),
+    ):
+        rows = r.get(section)
+        if not rows:
+            continue
+        lines += [f"## {title}", ""]
+        for _, t, label in TEMPS:
+            lines += [f"### {label}", ""]
+            lines += _rows_table(rows, t, rows[f"plain@{t}"]["tok_s"])
+            cm = r.get("derived", {}).get(section, {}).get(t, {}).get("cost_model", {})
+            if cm:
+                lines += [
+                    "Cost model (alpha judged in this run, c and v(g) from the analysis):",
+                    "",
                 ]
-                for k, v in rtt.items()
-            ],
-        ),
-    ]
-    conc = r["concurrency"]
-    out += [
-        "",
-        "## Concurrent clients",
-        "",
-        f"Aggregate tok/s with N clients at once (T={conc['temperature']:g}, spec gamma "
-        f"{conc['gamma']}, {s['concurrency_requests']} request(s) per client, median of "
-        f"{s['concurrency_repeats']}); per request = median tok/s one client sees.",
-        "",
-        _table(
-            [
-                "clients",
-                "plain tok/s",
-                "spec tok/s",
-                "speedup",
-                "plain per request",
-                "spec per request",
-            ],
-            [
-                [
-                    k,
-                    _f(v["plain"]["tok_s"], ".1f"),
-                    _f(v["spec"]["tok_s"], ".1f"),
-                    _f(v["speedup"], ".2f") + "x",
-                    _f(v["plain"]["per_request_tok_s"], ".1f"),
-                    _f(v["spec"]["per_request_tok_s"], ".1f"),
-                ]
-                for k, v in conc["points"].items()
-            ],
-        ),
-    ]
-    wire = r["wire"]
-    rows = []
-    for t in TEMPS:
-        for g in [0, *s["gammas"]]:
-            sp, de = wire.get(f"{g}@{t}@sparse"), wire.get(f"{g}@{t}@dense")
-            if sp and de:
+                lines += _table(
+                    [
+                        "config",
+                        "alpha",
+                        "bound E/(g c + v(g))",
+                        "paper (v = 1)",
+                        "measured",
+                        "share of bound",
+                    ],  # fmt: skip
+                    [
+                        [
+                            k,
+                            round(v["alpha"], 3),
+                            round(v["bound"], 2),
+                            round(v["paper_formula"], 2),
+                            round(v["measured"], 2),
+                            round(v["share_of_bound"], 2),
+                        ]
+                        for k, v in cm.items()
+                    ],  # fmt: skip
+                )
+    ip = r.get("inprocess")
+    if ip:
+        lines += ["## In-process engine (no network)", ""]
+        lines += _table(["config", "tok/s"], [[k, round(v["tok_s"], 1)] for k, v in ip.items()])
+    rtt = r.get("rtt")
+    if rtt:
+        lines += ["## Added round-trip time (pinned)", ""]
+        rows = []
+        for key, point in rtt.items():
+            for _, t, label in TEMPS:
+                pr = point["rows"]
+                seq = _best(pr, t, "seq")
+                ovl = _best(pr, t, "ovl")
                 rows.append(
                     [
-                        _t(t),
-                        str(g),
-                        _f(sp["wire_bytes_per_token"], ".0f"),
-                        _f(de["wire_bytes_per_token"], ".0f"),
-                        _f(de["wire_bytes_per_token"] / sp["wire_bytes_per_token"], ".0f") + "x",
-                        _f(sp["tok_s"], ".1f"),
-                        _f(de["tok_s"], ".1f"),
+                        f"+{key} ms ({point['info_call_ms']:.2f} ms per small call)",
+                        label,
+                        round(pr[f"plain@{t}"]["tok_s"], 1),
+                        f"{seq[0].split('@')[0]} {seq[1]['tok_s']:.1f}",
+                        f"{ovl[0].split('@')[0]} {ovl[1]['tok_s']:.1f}",
+                        round(pr[f"adaptive@{t}"]["tok_s"], 1),
+                        round(pr[f"adaptive@{t}"]["mean_gamma"], 2),
                     ]
                 )
-    out += [
-        "",
-        "## Wire bytes per generated token",
-        "",
-        "Serialized request and response bytes between the orchestrator and both services "
-        "(sparse: top-k q and p_i(x_i) only, the default; dense: full q and full p back). "
-        f"{s['dense_prompts']} prompt(s), one run each.",
-        "",
-        _table(
+        lines += _table(
             [
-                "sampling",
-                "gamma",
-                "sparse B/token",
-                "dense B/token",
-                "dense / sparse",
-                "sparse tok/s",
-                "dense tok/s",
+                "RTT",
+                "",
+                "plain",
+                "best sequential",
+                "best overlapped",
+                "adaptive",
+                "adaptive gamma",
             ],
             rows,
-        ),
-    ]
-    if r.get("plots"):
-        out += ["", "## Plots", ""] + [f"![{p}]({p})" for p in r["plots"]]
-    return "\n".join(out) + "\n"
+        )
+    conc = r.get("concurrency")
+    if conc:
+        lines += ["## Concurrent clients (T=1; aggregate tok/s, p50 request latency)", ""]
+        modes = list(next(iter(conc.values())))
+        lines += _table(
+            ["clients"] + [f"{m} tok/s" for m in modes] + [f"{m} p50 s" for m in modes],
+            [
+                [n]
+                + [round(row[m]["tok_s"], 1) for m in modes]
+                + [round(row[m]["p50_latency_s"], 2) for m in modes]
+                for n, row in conc.items()
+            ],
+        )
+    wire = r.get("wire")
+    if wire:
+        lines += ["## The wire (T=1)", ""]
+        rows = []
+        for name, w in wire.items():
+            for mode in ("spec", "dense"):
+                v = w["rows"][mode]
+                rows.append([name, mode, round(v["tok_s"], 1), round(v["wire_bytes_per_token"]),
+                             _f(v["alpha"], 3)])  # fmt: skip
+        lines += _table(["q shape", "mode", "tok/s", "bytes/token", "alpha (judged)"], rows)
+    lv = r.get("wire_large_vocab")
+    if lv:
+        lines += [
+            f"Tiny random pair, vocabulary {lv['vocab']:,}: "
+            + ", ".join(
+                f"gamma {g}: {v['wire_bytes_per_token']:.0f} B/token (alpha {v['alpha']:.2f})"
+                for g, v in lv["rows"].items()
+            ),
+            "",
+        ]
+    st = r.get("settings")
+    if st:
+        lines += ["## Thread and affinity settings (greedy, tok/s)", ""]
+        lines += _table(
+            ["setting", "plain", "gamma 4", "gamma 4 overhead ms/step"],
+            [[name, round(v["plain@0"]["tok_s"], 1), round(v["seq4@0"]["tok_s"], 1),
+              round(v["seq4@0"]["ms_per_step"]["overhead"], 2)] for name, v in st.items()],
+        )  # fmt: skip
+    for p in r.get("plots", []):
+        lines.append(f"![{p}]({p})")
+    return "\n".join(lines) + "\n"
 
 
 def summary(r: dict) -> str:
-    lines = []
-    for t in TEMPS:
-        lines.append(f"\n{_t(t)} (best gamma {r['best_gamma'][t]})")
-        lines.append(
-            f"  {'configuration':58s} {'gamma':>5s} {'tok/s':>8s} {'speedup':>8s} "
-            f"{'theory':>7s} {'%':>5s}"
-        )
-        for row in throughput_rows(r, t):
-            name, g, toks, sp, th, frac = row[:6]
-            lines.append(f"  {name:58s} {g:>5s} {toks:>8s} {sp:>8s} {th:>7s} {frac:>5s}")
+    lines = ["", "criteria:"]
+    for c in r.get("criteria", []):
+        mark = "ok " if c["met"] else "NO "
+        lines.append(f"  {mark} {c['criterion']}: {_f(c['value'], 2)} (goal {_f(c['goal'], 2)})")
     return "\n".join(lines)

@@ -1,62 +1,81 @@
-"""Plain decoding, speculative decoding through the services, and Hugging Face
-assisted generation, measured side by side in one run.
+"""specdec against what a user would pick instead, side by side in one run.
 
-  python -m benchmarks.run [--quick] [--out results/<timestamp>]
-      [--draft DIR] [--target DIR] [--device cpu|cuda] [--threads 2]
+  python -m benchmarks.run [--quick] [--out results/<timestamp>] [--draft DIR] [--target DIR]
+      [--sections analysis,hf,services,pinned,inprocess,rtt,concurrency,wire,settings]
 
-Same pair, same prompts, same sampling settings (greedy and temperature 1,
-no top-k / top-p) everywhere; every configuration is repeated and the median
-over repeats is reported (repeats are interleaved across configurations, so a
-slow spell of the machine hits all of them alike). In order:
+Same pair, prompts and sampling settings (greedy, and temperature 1 without
+top-k/top-p) everywhere; every configuration is repeated and the median over
+repeats is reported; repeats are interleaved across configurations, so a slow
+spell of the machine hits all of them alike. Sections, in order:
 
-1. ``benchmarks.analyze`` on the pair: alpha, c, predicted speedups;
-2. in-process Hugging Face ``generate``: plain, and assisted generation
-   (``assistant_model=draft``) with its defaults and with a fixed gamma;
-3. through the services (draft, target, orchestrator as child processes):
-   plain target decoding (gamma = 0) and gamma 1..8, with the per-step time
-   breakdown from the /metrics deltas; dense vs sparse wire bytes;
-4. a second orchestrator reaching draft and target through
-   ``benchmarks.delay_proxy``: speedup versus added round-trip time;
-5. throughput versus number of concurrent clients.
+1. ``analysis``: the pair in-process: alpha, c, v(g) and the cost-model bound.
+2. ``hf``: transformers in-process: plain ``generate()`` and assisted generation
+   (``assistant_model=draft``, fixed k and its defaults), on both cores and on
+   one core (what a user with only the target's machine gets).
+3. ``services``: the three services sharing the machine's cores (the default
+   deployment here): plain decoding through the target service (gamma 0),
+   sequential and overlapped specdec at every gamma, and adaptive; with the
+   per-step breakdown (forward passes vs everything else).
+4. ``pinned``: the same with each service on its own core (the draft and the
+   orchestrator on one, the target on the other), standing for separate machines.
+5. ``inprocess``: the engine with draft and target in one process (no network),
+   the reference for what the network and gRPC cost.
+6. ``rtt``: added network round-trip time through the delay proxy (pinned).
+7. ``concurrency``: 1-32 clients at once: plain batched decoding and specdec.
+8. ``wire``: bytes on the wire per token and acceptance by q's shape; a tiny
+   random model with a 151,936-token vocabulary.
+9. ``settings``: the thread and affinity settings tried, and their effect.
 
 Writes results.json, results.md and PNG plots into the output folder and
-prints a summary. ``--quick`` (fewer tokens, prompts, repeats and points)
-takes a minute or two; it is what the smoke test runs.
+prints a summary. Benchmarks are programs, not tests: they print and save.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from specdec.sampling import expected_speedup, expected_tokens_per_step
+from specdec.local.proxy import ProxyGroup
 
 from . import analyze as analyze_mod
 from .common import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     REPO,
-    add_into,
-    delta,
+    Client,
+    info_rtt_ms,
     load_prompts,
     machine_info,
-    pick,
-    scrape,
+    start_services,
 )
-from .delay_proxy import DelayProxies
-from .stack import Client, info_rtt_ms, start_services
 
 TEMPERATURES = (0.0, 1.0)
+SECTIONS = (
+    "analysis",
+    "hf",
+    "services",
+    "pinned",
+    "inprocess",
+    "rtt",
+    "concurrency",
+    "wire",
+    "settings",
+)
+DRAFT_CORE, TARGET_CORE = 0, 1  # pinned: draft, orchestrator and the client / the target
 
 
 @dataclass
@@ -64,40 +83,43 @@ class Plan:
     prompts: list[str]
     max_new_tokens: int = 64
     repeats: int = 3
-    gammas: list[int] = field(default_factory=lambda: list(range(1, 9)))
-    rtts_ms: list[float] = field(default_factory=lambda: [0.0, 1.0, 2.0, 5.0, 10.0])
-    rtt_prompts: int = 2
-    rtt_repeats: int = 3
-    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    concurrency_requests: int = 1  # requests each client makes, one after the other
-    concurrency_repeats: int = 3
-    dense_prompts: int = 2
+    gammas: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    hf_ks: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6])
+    rtts_ms: list[float] = field(default_factory=lambda: [0.0, 2.0, 5.0, 10.0, 20.0])
+    rtt_full_sweep_ms: list[float] = field(default_factory=lambda: [0.0, 2.0, 10.0])
+    rtt_prompts: int = 3
+    rtt_tokens: int = 48
+    rtt_repeats: int = 2
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    concurrency_requests: int = 2
+    concurrency_repeats: int = 2
+    wire_ks: list[int] = field(default_factory=lambda: [64, 256, 1024])
     analyze_tokens: int = 64
     analyze_rounds: int = 5
     analyze_steps: int = 60
-    hf_fixed_gamma: bool = True
-    wide_sweep: bool = False  # T=1 again with the wire_top_k that keeps alpha (--wide-top-k)
 
     @classmethod
     def make(cls, prompts: list[str], quick: bool, max_new_tokens: int | None) -> Plan:
         if not quick:
-            return cls(prompts, max_new_tokens or 64)
+            return cls(prompts[:8], max_new_tokens or 64)
         return cls(
-            prompts[:3],
+            prompts[:2],
             max_new_tokens or 12,
             repeats=1,
-            gammas=[1, 2, 4],
-            rtts_ms=[0.0, 2.0],
-            rtt_prompts=2,
+            gammas=[1, 3],
+            hf_ks=[3],
+            rtts_ms=[0.0, 5.0],
+            rtt_full_sweep_ms=[0.0],
+            rtt_prompts=1,
+            rtt_tokens=12,
             rtt_repeats=1,
-            concurrency=[1, 2],
+            concurrency=[1, 4],
             concurrency_requests=1,
             concurrency_repeats=1,
-            dense_prompts=1,
+            wire_ks=[64],
             analyze_tokens=12,
             analyze_rounds=1,
             analyze_steps=10,
-            hf_fixed_gamma=False,
         )
 
 
@@ -109,7 +131,83 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-# ---- 2. Hugging Face in-process ----------------------------------------------------------
+# ---- measuring one set of configurations --------------------------------------------------
+def _run_prompts(client: Client, prompts, max_new_tokens: int, fields: dict, repeat: int):
+    """The prompts one after the other; totals over them."""
+    total: dict[str, float] = {}
+    for j, prompt in enumerate(prompts):
+        f = dict(fields)
+        if "seed" not in f:  # seeded: the same draws every repeat (adaptive ones say seed None)
+            f["seed"] = 1000 * repeat + j
+        r = client.generate(prompt, max_new_tokens, **f)
+        for k, v in r.items():
+            if isinstance(v, int | float):
+                total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def measure(client: Client, configs: dict[str, dict], prompts, max_new_tokens, repeats) -> dict:
+    """Each configuration's median tok/s and its totals, repeats interleaved and rotated."""
+    names = list(configs)
+    for name in names[:: max(1, len(names) // 4)]:  # warm every kind of call
+        _run_prompts(client, prompts[:1], 8, configs[name], 0)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            runs[name].append(_run_prompts(client, prompts, max_new_tokens, configs[name], r))
+    return {name: summarize(runs[name], configs[name]) for name in names}
+
+
+def summarize(rs: list[dict], fields: dict) -> dict:
+    tot = {k: sum(x.get(k, 0.0) for x in rs) for k in rs[0]}
+    steps = tot["steps"] or 1
+    judged = tot.get("judged", 0.0)
+    draft_fwd, target_fwd = tot["draft_forward_s"], tot["target_forward_s"]
+    return {
+        "fields": fields,
+        "tok_s": median([x["tokens"] / x["wall_s"] for x in rs]),
+        "tok_s_runs": [round(x["tokens"] / x["wall_s"], 2) for x in rs],
+        "tokens": tot["tokens"] / len(rs),
+        "tokens_per_step": tot["tokens"] / steps,
+        "alpha": tot["accepted"] / judged if judged else None,
+        "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
+        "mean_gamma": tot["gamma_sum"] / steps,
+        "overlapped_share": tot["overlapped_steps"] / steps,
+        "fallback_steps": tot["fallback_steps"],
+        "wire_bytes_per_token": tot["wire_bytes"] / tot["tokens"] if tot["tokens"] else 0.0,
+        "ms_per_step": {
+            "step": tot["steps_s"] / steps * 1e3,
+            "draft_forward": draft_fwd / steps * 1e3,
+            "target_forward": target_fwd / steps * 1e3,
+            "overhead": (tot["steps_s"] - draft_fwd - target_fwd) / steps * 1e3,
+        },
+        "ms_per_token_outside_steps": (tot["wall_s"] - tot["steps_s"]) / tot["tokens"] * 1e3
+        if tot["tokens"]
+        else 0.0,
+    }
+
+
+def spec_configs(t: float, gammas: list[int], overlap: bool = True, plain: bool = True) -> dict:
+    """plain, sequential and overlapped at every gamma, and adaptive, at temperature t."""
+    out: dict[str, dict] = {}
+    if plain:
+        out[f"plain@{t:g}"] = {"temperature": t, "gamma": 0}
+    for g in gammas:
+        out[f"seq{g}@{t:g}"] = {"temperature": t, "gamma": g, "overlap": False}
+        if overlap:
+            out[f"ovl{g}@{t:g}"] = {"temperature": t, "gamma": g, "overlap": True}
+    # Adaptive: gamma left unset and no seed (a seeded request keeps a fixed gamma).
+    out[f"adaptive@{t:g}"] = {"temperature": t, "gamma": None, "seed": None}
+    return out
+
+
+def best(rows: dict, t: float, prefix: str) -> tuple[str, dict]:
+    cands = {k: v for k, v in rows.items() if k.startswith(prefix) and k.endswith(f"@{t:g}")}
+    return max(cands.items(), key=lambda kv: kv[1]["tok_s"])
+
+
+# ---- 2. transformers in-process -----------------------------------------------------------
 def _pad_id(model) -> int:
     pad = model.generation_config.pad_token_id
     if pad is None:
@@ -129,531 +227,426 @@ def hf_generate(target, ids, max_new_tokens: int, temperature: float, seed: int,
     if assistant is not None:
         kw["assistant_model"] = assistant
     torch.manual_seed(seed)
-    device = ids.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     out = target.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return out.shape[1] - ids.shape[1], time.perf_counter() - t0
 
 
-def hf_benchmark(tok, draft, target, plan: Plan, fixed_gamma: int) -> dict:
-    """tok/s of plain and assisted ``generate``, median over repeats, per temperature."""
-    device = next(target.parameters()).device
-    ids = [tok(p, return_tensors="pt")["input_ids"].to(device) for p in plan.prompts]
-    cfg = draft.generation_config
-    defaults = {
-        "num_assistant_tokens": cfg.num_assistant_tokens,
-        "num_assistant_tokens_schedule": cfg.num_assistant_tokens_schedule,
-        "assistant_confidence_threshold": cfg.assistant_confidence_threshold,
-    }
-
-    def set_assistant(fixed: bool) -> None:
-        if fixed:
-            cfg.num_assistant_tokens = fixed_gamma
-            cfg.num_assistant_tokens_schedule = "constant"
-            cfg.assistant_confidence_threshold = 0.0
-        else:
-            for k, v in defaults.items():
-                setattr(cfg, k, v)
-
-    modes = ["hf_plain", "hf_assisted"] + (["hf_assisted_fixed"] if plan.hf_fixed_gamma else [])
-    configs = [(m, t) for t in TEMPERATURES for m in modes]
-    runs: dict[str, list[dict]] = {f"{m}@{t:g}": [] for m, t in configs}
-    # Warm-up: one short call of each kind.
-    hf_generate(target, ids[0], 4, 0.0, 0)
-    hf_generate(target, ids[0], 4, 0.0, 0, assistant=draft)
-    for r in range(plan.repeats):
-        for i in range(len(configs)):
-            mode, t = configs[(i + r) % len(configs)]
-            set_assistant(mode == "hf_assisted_fixed")
-            tokens = secs = 0.0
-            for j, x in enumerate(ids):
-                n, dt = hf_generate(
-                    target,
-                    x,
-                    plan.max_new_tokens,
-                    t,
-                    seed=1000 * r + j,
-                    assistant=draft if mode != "hf_plain" else None,
-                )
-                tokens += n
-                secs += dt
-            runs[f"{mode}@{t:g}"].append({"tokens": tokens, "seconds": secs})
-    set_assistant(False)
-    out = {}
-    for mode, t in configs:
-        rs = runs[f"{mode}@{t:g}"]
-        out[f"{mode}@{t:g}"] = {
-            "mode": mode,
-            "temperature": t,
-            "tok_s": median([x["tokens"] / x["seconds"] for x in rs]),
-            "tok_s_runs": [x["tokens"] / x["seconds"] for x in rs],
-            "tokens": median([x["tokens"] for x in rs]),
-        }
-    return {
-        "results": out,
-        "assistant_defaults": {k: v for k, v in defaults.items()},
-        "fixed_gamma": fixed_gamma if plan.hf_fixed_gamma else None,
-    }
-
-
-# ---- 3. through the services -------------------------------------------------------------
-class Scraper:
-    """Metric deltas of the three services around a measured run."""
-
-    def __init__(self, ports: dict[str, int]) -> None:
-        self.ports = ports
-
-    def snapshot(self) -> dict[str, dict]:
-        return {role: scrape(port) for role, port in self.ports.items()}
-
-    @staticmethod
-    def diff(after: dict, before: dict) -> dict:
-        return {role: delta(after[role], before[role]) for role in after}
-
-
-def run_set(
-    client: Client,
-    prompts: list[str],
-    max_new_tokens: int,
-    temperature: float,
-    gamma: int,
-    repeat: int,
-    dense: bool = False,
-) -> dict:
-    """The prompts one after the other; totals over them."""
-    total: dict[str, float] = {}
-    for j, prompt in enumerate(prompts):
-        r = client.generate(prompt, max_new_tokens, temperature, gamma, 1000 * repeat + j, dense)
-        for k, v in r.items():
-            if isinstance(v, (int, float)):
-                total[k] = total.get(k, 0.0) + v
-    total["tok_s"] = total["tokens"] / total["wall_s"]
-    return total
-
-
-def breakdown(m: dict, steps: float, tokens: float, wall_s: float) -> dict:
-    """Milliseconds per step (and per token) of each stage, from metric deltas.
-
-    Client-side stage times come from the orchestrator; server-side RPC and
-    forward times from the services. network = stage - server RPC time
-    (loopback, gRPC, serialization and the orchestrator's handling of the
-    messages); service = RPC time - forward time (validation, sampling,
-    protobuf building, the hop to the forward thread).
-    """
-    if not steps:
-        return {}
-    o, d, t = m["orchestrator"], m["draft"], m["target"]
-    stage = "specdec_step_stage_duration_seconds_sum"
-    rpc = "specdec_rpc_duration_seconds_sum"
-    fwd = "specdec_model_forward_duration_seconds_sum"
-    propose = pick(o, stage, stage="propose")
-    verify = pick(o, stage, stage="verify")
-    rollback = pick(o, stage, stage="rollback")
-    orch = pick(o, stage, stage="orchestrator")
-    d_rpc = pick(d, rpc, method="Propose")
-    d_open = pick(d, rpc, method="OpenSession")
-    # Prefill-kind forwards also happen inside Propose (after a full accept, two tokens are fed);
-    # the prompt's prefill is at most the OpenSession RPC time.
-    d_fwd = pick(d, fwd, kind="propose") + max(0.0, pick(d, fwd, kind="prefill") - d_open)
-    t_rpc = pick(t, rpc, method="Verify")
-    t_open = pick(t, rpc, method="OpenSession")
-    t_fwd = (
-        pick(t, fwd, kind="verify")
-        + pick(t, fwd, kind="decode")
-        + max(0.0, pick(t, fwd, kind="prefill") - t_open)
-    )
-    parts = {
-        "draft_forward": d_fwd,
-        "draft_service": max(0.0, d_rpc - d_fwd),
-        "draft_network": max(0.0, propose - d_rpc),
-        "target_forward": t_fwd,
-        "target_service": max(0.0, t_rpc - t_fwd),
-        "target_network": max(0.0, verify - t_rpc),
-        "rollback": rollback,
-        "orchestrator": orch,
-    }
-    in_steps = propose + verify + rollback + orch
-    per_step = {k: round(v / steps * 1e3, 4) for k, v in parts.items()}
-    per_step["step_total"] = round(in_steps / steps * 1e3, 4)
-    return {
-        "ms_per_step": per_step,
-        "ms_per_token": {k: round(v / tokens * 1e3, 4) for k, v in parts.items()}
-        | {
-            # Outside the steps: prefill (OpenSession), stream set-up, the client.
-            "outside_steps": round(max(0.0, wall_s - in_steps) / tokens * 1e3, 4),
-            "total": round(wall_s / tokens * 1e3, 4),
-        },
-        "round_trips_per_token": round(
-            pick(o, "specdec_round_trips_total") / tokens if tokens else 0.0, 4
-        ),
-        "wire_bytes_per_token": round(pick(o, "specdec_wire_bytes_total") / tokens, 2),
-    }
-
-
-def services_sweep(
-    services,
-    plan: Plan,
-    address: str | None = None,
-    metrics_port: int | None = None,
-    temperatures: tuple[float, ...] = TEMPERATURES,
-) -> dict:
-    """gamma 0 (plain target decoding) and gamma 1..8 at each temperature, through
-    the orchestrator at ``address`` (default: the main one)."""
-    client = Client(address or services.address("orchestrator"))
-    scraper = Scraper(
-        {
-            "orchestrator": metrics_port or services.metrics_port("orchestrator"),
-            "draft": services.metrics_port("draft"),
-            "target": services.metrics_port("target"),
-        }
-    )
-    configs = [(t, g) for t in temperatures for g in [0, *plan.gammas]]
-    # Warm-up: every kind of call once.
-    for t in temperatures:
-        for g in (0, max(plan.gammas)):
-            client.generate(plan.prompts[0], 8, t, g, 0)
-    runs: dict[str, list[dict]] = {f"{g}@{t:g}": [] for t, g in configs}
-    metrics: dict[str, dict] = {f"{g}@{t:g}": {} for t, g in configs}
-    for r in range(plan.repeats):
-        for i in range(len(configs)):
-            t, g = configs[(i + r) % len(configs)]
-            key = f"{g}@{t:g}"
-            before = scraper.snapshot()
-            res = run_set(client, plan.prompts, plan.max_new_tokens, t, g, r)
-            d = Scraper.diff(scraper.snapshot(), before)
-            runs[key].append(res)
-            for role, samples in d.items():
-                add_into(metrics[key].setdefault(role, {}), samples)
-        log(f"  services repeat {r + 1}/{plan.repeats} done")
-    client.close()
-    out = {}
-    for t, g in configs:
-        key = f"{g}@{t:g}"
-        rs = runs[key]
-        tot = {k: sum(x[k] for x in rs) for k in rs[0] if k != "tok_s"}
-        steps = tot["steps"]
-        out[key] = {
-            "gamma": g,
-            "temperature": t,
-            "tok_s": median([x["tok_s"] for x in rs]),
-            "tok_s_runs": [round(x["tok_s"], 3) for x in rs],
-            "tokens_per_run": median([x["tokens"] for x in rs]),
-            "steps": steps,
-            "tokens_per_step": (tot["accepted"] + steps) / steps if steps else 0.0,
-            "acceptance": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
-            "ttft_ms": tot["ttft_s"] / len(rs) / len(plan.prompts) * 1e3,
-            "wire_bytes_per_token": tot["wire_bytes"] / tot["tokens"],
-            "round_trips_per_token": tot["round_trips"] / tot["tokens"],
-            "fallback_steps": tot["fallback_steps"],
-            "breakdown": breakdown(metrics[key], steps, tot["tokens"], tot["wall_s"]),
-        }
-    return out
-
-
-def dense_sweep(services, plan: Plan) -> dict:
-    """Wire bytes per token and tok/s with dense q (and dense p back), vs the sparse default."""
-    client = Client(services.address("orchestrator"))
-    prompts = plan.prompts[: plan.dense_prompts]
-    out = {}
-    for t in TEMPERATURES:
-        for g in [0, *plan.gammas]:
-            for dense in (False, True):
-                res = run_set(client, prompts, plan.max_new_tokens, t, g, 0, dense=dense)
-                out[f"{g}@{t:g}@{'dense' if dense else 'sparse'}"] = {
-                    "gamma": g,
-                    "temperature": t,
-                    "dense": dense,
-                    "wire_bytes_per_token": res["wire_bytes"] / res["tokens"],
-                    "tok_s": res["tok_s"],
-                }
-    client.close()
-    return out
-
-
-def rtt_sweep(services, plan: Plan, gammas: dict[float, int]) -> dict:
-    """Added RTT between the orchestrator and both services, via delay proxies."""
-    proxies = DelayProxies()
+def hf_benchmark(tok, draft, target, plan: Plan, threads: int, cores: set[int] | None) -> dict:
+    """tok/s of plain and assisted generate() (fixed k, and its defaults) per temperature."""
+    old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    torch.set_num_threads(threads)
+    if cores:
+        os.sched_setaffinity(0, cores)
     try:
-        d_addr = proxies.add(services.address("draft"))
-        t_addr = proxies.add(services.address("target"))
-        address, _ = services.start_orchestrator("orchestrator-proxied", d_addr, t_addr)
+        ids = [tok(p, return_tensors="pt")["input_ids"] for p in plan.prompts]
+        cfg = draft.generation_config
+        defaults = (
+            cfg.num_assistant_tokens,
+            cfg.num_assistant_tokens_schedule,
+            cfg.assistant_confidence_threshold,
+        )
+        modes = [("plain", None)] + [(f"assisted{k}", k) for k in plan.hf_ks] + [("default", -1)]
+        configs = [(m, k, t) for t in TEMPERATURES for m, k in modes]
+        runs: dict[str, list[float]] = {f"{m}@{t:g}": [] for m, _, t in configs}
+        hf_generate(target, ids[0], 4, 0.0, 0, draft)
+        for r in range(plan.repeats):
+            for i in range(len(configs)):
+                m, k, t = configs[(i + r) % len(configs)]
+                if k is not None and k > 0:
+                    cfg.num_assistant_tokens = k
+                    cfg.num_assistant_tokens_schedule = "constant"
+                    cfg.assistant_confidence_threshold = 0.0
+                else:
+                    (
+                        cfg.num_assistant_tokens,
+                        cfg.num_assistant_tokens_schedule,
+                        cfg.assistant_confidence_threshold,
+                    ) = defaults
+                tokens = secs = 0.0
+                for j, x in enumerate(ids):
+                    n, dt = hf_generate(
+                        target,
+                        x,
+                        plan.max_new_tokens,
+                        t,
+                        1000 * r + j,
+                        assistant=None if k is None else draft,
+                    )
+                    tokens, secs = tokens + n, secs + dt
+                runs[f"{m}@{t:g}"].append(tokens / secs)
+        (
+            cfg.num_assistant_tokens,
+            cfg.num_assistant_tokens_schedule,
+            cfg.assistant_confidence_threshold,
+        ) = defaults
+    finally:
+        torch.set_num_threads(old_threads)
+        os.sched_setaffinity(0, old_cores)
+    return {name: {"tok_s": median(v), "tok_s_runs": v} for name, v in runs.items()}
+
+
+# ---- 3/4. the services --------------------------------------------------------------------
+def pin_stack(stack) -> None:
+    """Each service on its own core: the draft (with the orchestrator and this client)
+    on one, the target on the other."""
+    stack.pin("draft", {DRAFT_CORE})
+    stack.pin("orchestrator", {DRAFT_CORE})
+    stack.pin("target", {TARGET_CORE})
+    os.sched_setaffinity(0, {DRAFT_CORE})
+
+
+def unpin_self() -> None:
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
+def services_section(stack, plan: Plan, address: str | None = None) -> dict:
+    client = Client(address or stack.orchestrator_address)
+    configs = {}
+    for t in TEMPERATURES:
+        configs |= spec_configs(t, plan.gammas)
+    rows = measure(client, configs, plan.prompts, plan.max_new_tokens, plan.repeats)
+    client.close()
+    return rows
+
+
+# ---- 5. in-process: no network -------------------------------------------------------------
+def inprocess_section(draft_dir: str, target_dir: str, plan: Plan, gammas: dict) -> dict:
+    """The engine with local ports in this process: the same code minus gRPC and network."""
+    sys.path.insert(0, str(REPO))
+    from tests.inprocess import in_process
+
+    torch.set_num_threads(1)
+    out: dict[str, dict] = {}
+
+    async def scenario():
+        async with in_process(draft_dir, target_dir) as system:
+            configs = {}
+            for t in TEMPERATURES:
+                configs[f"plain@{t:g}"] = {"temperature": t, "gamma": 0}
+                g = gammas[t]
+                configs[f"seq{g}@{t:g}"] = {"temperature": t, "gamma": g, "overlap": False}
+            runs: dict[str, list[float]] = {k: [] for k in configs}
+            for r in range(plan.repeats):
+                for name, fields in configs.items():
+                    tokens = secs = 0.0
+                    for j, p in enumerate(plan.prompts):
+                        t0 = time.perf_counter()
+                        ids, _, stats = await system.generate(
+                            prompt=p,
+                            max_new_tokens=plan.max_new_tokens,
+                            seed=1000 * r + j,
+                            **fields,
+                        )
+                        secs += time.perf_counter() - t0
+                        tokens += len(ids)
+                    runs[name].append(tokens / secs)
+            for name, v in runs.items():
+                out[name] = {"fields": configs[name], "tok_s": median(v), "tok_s_runs": v}
+
+    asyncio.run(scenario())
+    return out
+
+
+# ---- 6. added round-trip time -----------------------------------------------------------------
+def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
+    proxies = ProxyGroup()
+    try:
+        d_addr = proxies.add(stack.address("draft"))
+        t_addr = proxies.add(stack.address("target"))
+        address, _ = stack.start_orchestrator("orchestrator-proxied", d_addr, t_addr)
+        stack.pin_extra(DRAFT_CORE)
         client = Client(address)
         prompts = plan.prompts[: plan.rtt_prompts]
-        for t in TEMPERATURES:  # warm-up through the proxies
-            client.generate(prompts[0], 8, t, gammas[t], 0)
         out = {}
         for rtt in plan.rtts_ms:
             proxies.set_rtt_ms(rtt)
-            measured = info_rtt_ms(d_addr)
-            configs = [(t, g) for t in TEMPERATURES for g in (0, gammas[t])]
-            runs: dict[str, list[float]] = {f"{g}@{t:g}": [] for t, g in configs}
-            for r in range(plan.rtt_repeats):
-                for i in range(len(configs)):
-                    t, g = configs[(i + r) % len(configs)]
-                    res = run_set(client, prompts, plan.max_new_tokens, t, g, r)
-                    runs[f"{g}@{t:g}"].append(res["tok_s"])
-            row = {"rtt_ms": rtt, "info_call_ms": round(measured, 3)}
+            configs: dict[str, dict] = {}
             for t in TEMPERATURES:
-                plain = median(runs[f"0@{t:g}"])
-                spec = median(runs[f"{gammas[t]}@{t:g}"])
-                row[f"T{t:g}"] = {
-                    "gamma": gammas[t],
-                    "plain_tok_s": plain,
-                    "spec_tok_s": spec,
-                    "speedup": spec / plain,
-                }
-            out[f"{rtt:g}"] = row
+                if rtt in plan.rtt_full_sweep_ms:
+                    configs |= spec_configs(t, plan.gammas)
+                else:
+                    g = best_gamma[t]
+                    configs |= spec_configs(t, [g])
+            rows = measure(client, configs, prompts, plan.rtt_tokens, plan.rtt_repeats)
+            out[f"{rtt:g}"] = {"rtt_ms": rtt, "info_call_ms": info_rtt_ms(d_addr), "rows": rows}
             log(
                 f"  RTT +{rtt:g} ms: "
-                + ", ".join(f"T={t:g} {row[f'T{t:g}']['speedup']:.2f}x" for t in TEMPERATURES)
+                + ", ".join(
+                    f"T={t:g} plain {rows[f'plain@{t:g}']['tok_s']:.0f} "
+                    f"adaptive {rows[f'adaptive@{t:g}']['tok_s']:.0f} tok/s"
+                    for t in TEMPERATURES
+                )
             )
         client.close()
-        return {"proxied_orchestrator": address, "points": out}
+        return out
     finally:
-        services.stop_extra()
+        stack.stop_extra()
         proxies.close()
 
 
-def concurrency_sweep(services, plan: Plan, gamma: int, temperature: float = 1.0) -> dict:
-    """Aggregate tok/s with N clients generating at once (each its own channel)."""
-    address = services.address("orchestrator")
+# ---- 7. concurrent clients ------------------------------------------------------------------
+def concurrency_section(stack, plan: Plan) -> dict:
+    address = stack.orchestrator_address
+    modes = {
+        "plain": {"temperature": 1.0, "gamma": 0},
+        "adaptive": {"temperature": 1.0, "gamma": None, "seed": None},
+        "seq4": {"temperature": 1.0, "gamma": 4, "overlap": False},
+    }
     out = {}
     for n in plan.concurrency:
-        modes = {"plain": 0, "spec": gamma}
-        runs: dict[str, list[dict]] = {m: [] for m in modes}
-        for r in range(plan.concurrency_repeats):
-            for m, g in modes.items():
-                results: list[dict] = []
+        row: dict[str, dict] = {}
+        for mode, fields in modes.items():
+            agg, lat = [], []
+            for r in range(plan.concurrency_repeats):
+                latencies: list[float] = []
                 lock = threading.Lock()
+                barrier = threading.Barrier(n)
 
-                def worker(k: int, g=g, results=results, lock=lock, r=r) -> None:
+                def client_loop(
+                    i: int, fields=fields, latencies=latencies, lock=lock, r=r, barrier=barrier
+                ):
                     c = Client(address)
-                    try:
-                        for q in range(plan.concurrency_requests):
-                            p = plan.prompts[(k + q) % len(plan.prompts)]
-                            res = c.generate(
-                                p, plan.max_new_tokens, temperature, g, 1000 * r + 10 * k + q
-                            )
-                            with lock:
-                                results.append(res)
-                    finally:
-                        c.close()
+                    barrier.wait()
+                    tokens = 0
+                    for k in range(plan.concurrency_requests):
+                        f = dict(fields)
+                        if "seed" not in f:
+                            f["seed"] = 10_000 * r + 100 * i + k
+                        res = c.generate(
+                            plan.prompts[(i + k) % len(plan.prompts)], plan.max_new_tokens, **f
+                        )
+                        tokens += res["tokens"]
+                        with lock:
+                            latencies.append(res["wall_s"])
+                    c.close()
+                    return tokens
 
-                threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
                 t0 = time.perf_counter()
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
+                with ThreadPoolExecutor(n) as pool:
+                    tokens = sum(pool.map(client_loop, range(n)))
                 wall = time.perf_counter() - t0
-                tokens = sum(x["tokens"] for x in results)
-                runs[m].append(
-                    {
-                        "tok_s": tokens / wall,
-                        "per_request_tok_s": median([x["tokens"] / x["wall_s"] for x in results]),
-                        "requests": len(results),
-                    }
-                )
-        row = {"clients": n}
-        for m in modes:
-            row[m] = {
-                "gamma": modes[m],
-                "tok_s": median([x["tok_s"] for x in runs[m]]),
-                "per_request_tok_s": median([x["per_request_tok_s"] for x in runs[m]]),
-            }
-        row["speedup"] = row["spec"]["tok_s"] / row["plain"]["tok_s"]
+                agg.append(tokens / wall)
+                lat.append(median(latencies))
+            row[mode] = {"tok_s": median(agg), "p50_latency_s": median(lat), "runs": agg}
         out[str(n)] = row
         log(
-            f"  {n} client(s): plain {row['plain']['tok_s']:.1f} tok/s, "
-            f"spec {row['spec']['tok_s']:.1f} tok/s"
+            f"  {n} clients: "
+            + ", ".join(
+                f"{m} {v['tok_s']:.0f} tok/s p50 {v['p50_latency_s']:.2f} s" for m, v in row.items()
+            )
         )
-    return {"temperature": temperature, "gamma": gamma, "points": out}
+    return out
 
 
-# ---- putting it together -------------------------------------------------------------------
-def _theory(sweep: dict, alphas: dict[float, float], c: float, verify: dict) -> None:
-    """Speedup over the sweep's own plain row, and the formula's value, row by row."""
-    for t, a in alphas.items():
-        if f"0@{t:g}" not in sweep:
-            continue
-        plain = sweep[f"0@{t:g}"]["tok_s"]
-        for v in sweep.values():
-            if v["temperature"] != t:
-                continue
-            g = v["gamma"]
-            v["speedup"] = v["tok_s"] / plain
-            if not g:
-                continue
-            e = expected_tokens_per_step(a, g)
-            v["alpha"] = a
-            v["expected_tokens_per_step"] = e
-            v["theoretical_speedup"] = expected_speedup(a, g, c)
-            v["theoretical_speedup_verify_cost"] = e / (g * c + verify.get(str(g), 1.0))
-            v["fraction_of_theoretical"] = v["speedup"] / v["theoretical_speedup"]
+# ---- 8. the wire -----------------------------------------------------------------------------
+def wire_section(stack, plan: Plan, gamma: int) -> dict:
+    """T=1 at gamma through orchestrators with other q shapes: bytes/token and alpha."""
+    out = {}
+    shapes = {f"top{k}": {"orchestrator.wire_top_k": k} for k in plan.wire_ks}
+    shapes["top1024_eps0.01"] = {"orchestrator.wire_top_k": 1024, "orchestrator.wire_eps": 0.01}
+    for name, sets in shapes.items():
+        address, _ = stack.start_orchestrator(
+            f"orchestrator-{name}", stack.address("draft"), stack.address("target"), sets
+        )
+        client = Client(address)
+        configs = {"spec": {"temperature": 1.0, "gamma": gamma, "overlap": False}}
+        configs["dense"] = {**configs["spec"], "dense": True}
+        rows = measure(client, configs, plan.prompts, plan.max_new_tokens, max(1, plan.repeats - 1))
+        client.close()
+        stack.stop_extra()
+        out[name] = {"settings": sets, "rows": rows}
+        log(
+            f"  {name}: {rows['spec']['tok_s']:.0f} tok/s, "
+            f"{rows['spec']['wire_bytes_per_token']:.0f} B/token, alpha {rows['spec']['alpha']}"
+        )
+    return out
 
 
-def _best(sweep: dict, t: float) -> int:
-    spec = [v for v in sweep.values() if v["temperature"] == t and v["gamma"] > 0]
-    return max(spec, key=lambda v: v["tok_s"])["gamma"]
+def large_vocab_wire(out: Path, plan: Plan, gamma: int) -> dict:
+    """Bytes per token at T=1 on a tiny random pair with Qwen2.5's 151,936-token vocabulary."""
+    sys.path.insert(0, str(REPO))
+    from specdec.local.stack import local_stack
+    from tests.tiny import build_large_vocab_pair
+
+    models = Path(tempfile.mkdtemp(prefix="specdec-bench-vocab-"))
+    draft, target = build_large_vocab_pair(models)
+    rows = {}
+    with local_stack(
+        out / "large-vocab", draft, target, log_dir=out / "logs" / "large-vocab"
+    ) as st:
+        client = Client(st.orchestrator_address)
+        prompts = [[3, 1000, 70_000, 151_000, 42]]
+        for g in (1, gamma):
+            res = [
+                client.generate(prompts[0], plan.max_new_tokens, temperature=1.0, gamma=g, seed=s)
+                for s in range(3)
+            ]
+            tokens = sum(r["tokens"] for r in res)
+            rows[str(g)] = {
+                "wire_bytes_per_token": sum(r["wire_bytes"] for r in res) / tokens,
+                "alpha": sum(r["accepted"] for r in res) / max(1, sum(r["judged"] for r in res)),
+            }
+        client.close()
+    return {"vocab": 151_936, "rows": rows}
 
 
-def derive(results: dict) -> None:
-    """Speedups, theoretical values and the best gamma, from the measured numbers."""
-    sweep = results["services"]
-    an = results["analysis"]
-    c, verify = an["cost"]["c"], an["cost"]["verify_cost_ratio"]
-    _theory(sweep, {0.0: an["quality"]["greedy_agreement"], 1.0: an["alpha_used"]}, c, verify)
-    results["best_gamma"] = {f"{t:g}": _best(sweep, t) for t in TEMPERATURES}
-    wide = results.get("services_wide")
-    if wide:
-        k = str(wide["wire_top_k"])
-        alpha_k = an["quality"]["alpha_by_wire_top_k"].get(k, an["quality"]["alpha"])
-        _theory(wide["rows"], {1.0: alpha_k}, c, verify)
-        wide["best_gamma"] = _best(wide["rows"], 1.0)
-    hf = results.get("hf", {}).get("results", {})
-    for t in TEMPERATURES:
-        base = hf.get(f"hf_plain@{t:g}")
-        for v in hf.values():
-            if v["temperature"] == t and base:
-                v["speedup_vs_hf_plain"] = v["tok_s"] / base["tok_s"]
-                v["speedup_vs_services_plain"] = v["tok_s"] / sweep[f"0@{t:g}"]["tok_s"]
+# ---- 9. thread and affinity settings -----------------------------------------------------------
+SETTINGS = {
+    "target 1 thread, draft 1 (default)": {"threads": 1, "draft_threads": 1, "pin": False},
+    "target 2 threads, draft 1": {"threads": 2, "draft_threads": 1, "pin": False},
+    "target 2 threads, draft 2": {"threads": 2, "draft_threads": 2, "pin": False},
+    "pinned: target 1 thread on core 1, draft 1 on core 0": {
+        "threads": 1,
+        "draft_threads": 1,
+        "pin": True,
+    },
+}
 
 
+def settings_section(out: Path, args, plan: Plan) -> dict:
+    results = {}
+    for name, s in SETTINGS.items():
+        folder = out / "settings" / name.split(":")[0].replace(" ", "-").replace(",", "")
+        folder.mkdir(parents=True, exist_ok=True)
+        stack = start_services(folder, args.draft, args.target, threads=s["threads"],
+                               draft_threads=s["draft_threads"])  # fmt: skip
+        try:
+            if s["pin"]:
+                pin_stack(stack)
+            client = Client(stack.orchestrator_address)
+            configs = {
+                "plain@0": {"temperature": 0.0, "gamma": 0},
+                "seq4@0": {"temperature": 0.0, "gamma": 4, "overlap": False},
+            }
+            results[name] = measure(
+                client, configs, plan.prompts, plan.max_new_tokens, plan.repeats
+            )
+            client.close()
+        finally:
+            unpin_self()
+            stack.stop()
+        log(
+            f"  {name}: plain {results[name]['plain@0']['tok_s']:.1f}, "
+            f"gamma 4 {results[name]['seq4@0']['tok_s']:.1f} tok/s"
+        )
+    return results
+
+
+# ---- the run -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
-    ap.add_argument("--out", help="results folder (default results/<timestamp>)")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="a 3-5 minute version (the smoke test)")
+    ap.add_argument("--out", help="output folder (default results/<timestamp>)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--prompts", help="a JSON list of prompts or one prompt per line")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (services and in-process)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="torch threads of each service and of the in-process runs",
-    )
-    ap.add_argument(
-        "--draft-threads",
-        type=int,
-        help="torch threads of the draft service only (default: --threads)",
-    )
-    ap.add_argument("--max-new-tokens", type=int, help="tokens per request (64; --quick 12)")
-    ap.add_argument("--repeats", type=int, help="repeats per configuration (3; --quick 1)")
-    ap.add_argument(
-        "--wide-top-k",
-        action="store_true",
-        help="also sweep T=1 through an orchestrator with the wire_top_k that keeps alpha "
-        "within 0.01 of the untruncated q (about 4 more minutes)",
-    )
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-
-    for path in (args.draft, args.target):
-        if not Path(path).exists():
-            print(f"error: model directory {path} does not exist", file=sys.stderr)
-            return 2
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections: {sorted(unknown)}")
     plan = Plan.make(load_prompts(args.prompts), args.quick, args.max_new_tokens)
-    if args.repeats:
-        plan.repeats = args.repeats
-    plan.wide_sweep = args.wide_top_k
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "results" / stamp
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results: dict = {
-        "machine": machine_info(args.device),
-        "settings": {
-            "quick": args.quick,
-            "device": args.device,
-            "dtype": args.dtype,
-            "torch_threads": args.threads,
-            "draft_torch_threads": args.draft_threads or args.threads,
-            "prompts": plan.prompts,
-        }
-        | {k: v for k, v in asdict(plan).items() if k != "prompts"},
+        "plan": asdict(plan) | {"quick": args.quick},
+        "machine": machine_info("cpu"),
+        "sections": sections,
     }
+    log(f"load average at start: {results['machine']['load_average']}")
 
-    log(f"1/5 analyzing the pair ({len(plan.prompts)} prompts)")
-    pair = analyze_mod.load_pair(args.draft, args.target, args.device, args.dtype)
-    an = analyze_mod.analyze(
-        args.draft,
-        args.target,
-        plan.prompts,
-        1.0,
-        plan.analyze_tokens,
-        args.threads,
-        args.device,
-        args.dtype,
-        plan.analyze_rounds,
-        plan.analyze_steps,
-        pair=pair,
-    )
-    results["analysis"] = an
-    results["models"] = {"draft": an["draft"], "target": an["target"]}
-    log(
-        f"  alpha {an['alpha_used']} (T=1, top-{an['quality']['wire_top_k']}), greedy agreement "
-        f"{an['quality']['greedy_agreement']}, c {an['cost']['c']}, "
-        f"recommended gamma {an['recommended_gamma']}"
-    )
+    def save() -> None:
+        results["seconds"] = round(time.perf_counter() - started, 1)
+        results["machine"]["load_average_end"] = list(os.getloadavg())
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
 
-    log("2/5 Hugging Face generate in-process (plain and assisted)")
-    results["hf"] = hf_benchmark(*pair, plan, fixed_gamma=an["recommended_gamma"])
+    torch.set_num_threads(2)
+    pair = analyze_mod.load_pair(args.draft, args.target)
+    if "analysis" in sections:
+        log("analysis: alpha, c and v(g) in-process")
+        results["analysis"] = analyze_mod.analyze(
+            args.draft, args.target, plan.prompts, 1.0, plan.analyze_tokens, 1, "cpu", "float32",
+            plan.analyze_rounds, plan.analyze_steps, pair=pair,
+        )  # fmt: skip
+        save()
+    if "hf" in sections:
+        log("transformers in-process: both cores (2 threads), then the target's core (1 thread)")
+        results["hf"] = {
+            "shared": hf_benchmark(*pair, plan, threads=2, cores=None),
+            "target_core": hf_benchmark(*pair, plan, threads=1, cores={TARGET_CORE}),
+        }
+        save()
     del pair
     gc.collect()
 
-    log("3/5 services: plain (gamma 0) and gamma " + ",".join(map(str, plan.gammas)))
-    services = start_services(
-        out, args.draft, args.target, args.device, args.dtype, args.threads, args.draft_threads
-    )
-    try:
-        results["services"] = services_sweep(services, plan)
-        k = an["recommended_wire_top_k"]
-        vocab = an["target"]["vocab_size"] or 0
-        if plan.wide_sweep and k != an["quality"]["wire_top_k"] and k < vocab:
-            log(
-                f"  T=1 again through an orchestrator with wire_top_k {k} (alpha "
-                f"{an['quality']['alpha_by_wire_top_k'][str(k)]} instead of {an['alpha_used']})"
-            )
-            address, mport = services.start_orchestrator(
-                "orchestrator-wide",
-                services.address("draft"),
-                services.address("target"),
-                {"orchestrator.wire_top_k": k},
-            )
-            rows = services_sweep(services, plan, address, mport, temperatures=(1.0,))
-            services.stop_extra()
-            results["services_wide"] = {"wire_top_k": k, "rows": rows}
-        derive(results)
-        best = {float(t): g for t, g in results["best_gamma"].items()}
-        log(f"  best gamma: {results['best_gamma']}; dense vs sparse wire")
-        results["wire"] = dense_sweep(services, plan)
-        log("4/5 added round-trip time " + ",".join(f"{x:g}" for x in plan.rtts_ms) + " ms")
-        results["rtt"] = rtt_sweep(services, plan, best)
-        log("5/5 concurrency " + ",".join(map(str, plan.concurrency)))
-        results["concurrency"] = concurrency_sweep(services, plan, best[1.0])
-    finally:
-        services.stop()
-    results["machine"]["load_average_end"] = list(__import__("os").getloadavg())
-    results["seconds"] = round(time.perf_counter() - started, 1)
+    best_gamma = {0.0: 4, 1.0: 4}
+    if {"services", "concurrency", "wire"} & set(sections):
+        log("services on shared cores: plain, sequential and overlapped gamma 1-6, adaptive")
+        stack = start_services(out / "shared", args.draft, args.target, threads=1, draft_threads=1)
+        try:
+            if "services" in sections:
+                results["services"] = services_section(stack, plan)
+                for t in TEMPERATURES:
+                    name, _ = best(results["services"], t, "seq")
+                    best_gamma[t] = results["services"][name]["fields"]["gamma"]
+                save()
+            if "concurrency" in sections:
+                log("concurrent clients " + ",".join(map(str, plan.concurrency)))
+                results["concurrency"] = concurrency_section(stack, plan)
+                save()
+            if "wire" in sections:
+                log("wire: q's shape against bytes and acceptance (T=1)")
+                results["wire"] = wire_section(stack, plan, best_gamma[1.0])
+                save()
+        finally:
+            stack.stop()
+        if "wire" in sections:
+            results["wire_large_vocab"] = large_vocab_wire(out, plan, best_gamma[1.0])
+            save()
+    if {"pinned", "rtt"} & set(sections):
+        log("services pinned (standing for separate machines)")
+        stack = start_services(out / "pinned", args.draft, args.target, threads=1, draft_threads=1)
+        try:
+            pin_stack(stack)
+            if "pinned" in sections:
+                results["pinned"] = services_section(stack, plan)
+                save()
+            if "rtt" in sections:
+                pinned = results.get("pinned", {})
+                gammas = {
+                    t: pinned[best(pinned, t, "ovl")[0]]["fields"]["gamma"] if pinned else 4
+                    for t in TEMPERATURES
+                }
+                log("added round-trip time " + ",".join(f"{x:g}" for x in plan.rtts_ms) + " ms")
+                results["rtt"] = rtt_section(stack, plan, gammas)
+                save()
+        finally:
+            unpin_self()
+            stack.stop()
+    if "inprocess" in sections:
+        log("in-process engine (no network)")
+        results["inprocess"] = inprocess_section(args.draft, args.target, plan, best_gamma)
+        save()
+    if "settings" in sections:
+        log("thread and affinity settings")
+        results["settings"] = settings_section(out, args, plan)
+        save()
 
-    from .report import markdown, summary
+    from .report import derive, markdown, summary
 
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
+    derive(results)
+    save()
     if not args.no_plots:
         from .plots import make_plots
 
         results["plots"] = make_plots(results, out)
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
+        save()
     (out / "results.md").write_text(markdown(results))
     print(summary(results))
     log(f"done in {results['seconds']:.0f} s: {out}")

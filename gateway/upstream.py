@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.config import GatewayConfig
-from specdec.server import channel_credentials
+from specdec.transport.channels import channel_credentials
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 

@@ -12,8 +12,10 @@ names the replicas:
 
 New sessions go to the least-loaded replica (fewest pinned requests) whose
 breaker allows it. A replica that disappears from DNS takes no new sessions;
-requests pinned to it move to another replica by re-prefilling from their
-token history (see ``engine.Generation``).
+requests pinned to it move to another replica serving the *same model* (equal
+``model_fingerprint``) by re-prefilling from their token history (see
+``orchestrator.resilience``). Each replica is reached through a port
+(``orchestrator.ports``), so a pool of in-process services works the same.
 """
 
 from __future__ import annotations
@@ -26,12 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
-from specdec.config import TlsConfig
 from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
-from specdec.server import open_channel
-from specdec.v1 import common_pb2
+from specdec.runtime.loading import ModelInfo
 
 from .breaker import CircuitBreaker
 
@@ -55,10 +53,9 @@ def resolve(spec: str) -> list[str]:
 @dataclass
 class Replica:
     address: str
-    channel: grpc.aio.Channel
-    stub: Any
+    port: Any  # a DraftPort or TargetPort
     breaker: CircuitBreaker
-    info: common_pb2.ModelInfo | None = None
+    info: ModelInfo | None = None
     pinned: int = 0  # requests whose session lives here
     gone: bool = False  # vanished from DNS: no new sessions
     rejected: str = ""  # why its Info made it unfit to pair with the others
@@ -73,20 +70,17 @@ class ReplicaPool:
 
     role: str
     spec: str
-    make_stub: Callable[[grpc.aio.Channel], Any]
-    tls: TlsConfig
-    max_message_bytes: int
+    make_port: Callable[[str], Any]  # address -> port
     retry_after_s: float
     retry_max_s: float
-    check: Callable[[common_pb2.ModelInfo], None] = lambda info: None
+    check: Callable[[ModelInfo], None] = lambda info: None
+    resolver: Callable[[str], list[str]] = resolve
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def _add(self, address: str) -> Replica:
-        channel = open_channel(address, self.tls, self.max_message_bytes)
         replica = Replica(
             address,
-            channel,
-            self.make_stub(channel),
+            self.make_port(address),
             CircuitBreaker(self.retry_after_s, self.retry_max_s),
         )
         self.replicas[address] = replica
@@ -94,21 +88,30 @@ class ReplicaPool:
 
     async def refresh(self) -> None:
         """Re-resolve; new replicas are checked (Info) before they get sessions."""
-        current = set(resolve(self.spec))
+        current = set(self.resolver(self.spec))
         for address, replica in list(self.replicas.items()):
             replica.gone = address not in current
             if replica.gone and replica.pinned == 0:
-                await replica.channel.close()
+                await replica.port.aclose()
                 del self.replicas[address]
         for address in current:
             replica = self.replicas.get(address) or self._add(address)
             if replica.info is None:
                 await self._fetch_info(replica)
+        models = {r.info.model_fingerprint for r in self.replicas.values() if r.info}
+        if len(models) > 1:
+            log.warning(
+                "%s pool serves %d different models (fingerprints %s): requests stay on "
+                "the model they started on",
+                self.role,
+                len(models),
+                ", ".join(sorted(m[:12] for m in models)),
+            )
 
     async def _fetch_info(self, replica: Replica) -> None:
         try:
-            info = await replica.stub.Info(common_pb2.InfoRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
+            info = await replica.port.info(timeout=2.0)
+        except SpecdecError:
             return
         try:
             self.check(info)
@@ -119,7 +122,7 @@ class ReplicaPool:
             return
         replica.info = info
 
-    async def wait_ready(self, timeout_s: float) -> common_pb2.ModelInfo:
+    async def wait_ready(self, timeout_s: float) -> ModelInfo:
         """Resolve until at least one replica answers Info; returns its info."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -134,15 +137,30 @@ class ReplicaPool:
                 raise Unavailable(f"{self.role} service at {self.spec} did not answer")
             await asyncio.sleep(0.2)
 
-    def pick(self, exclude: Replica | None = None) -> Replica | None:
-        """The least-loaded usable replica (other than ``exclude`` if possible)."""
-        usable = [r for r in self.replicas.values() if r.usable() and r is not exclude]
+    def pick(self, exclude: Replica | None = None, model: str | None = None) -> Replica | None:
+        """The least-loaded usable replica, other than ``exclude`` if possible,
+        serving the model with fingerprint ``model`` if given."""
+        usable = [
+            r
+            for r in self.replicas.values()
+            if r.usable()
+            and r is not exclude
+            and (model is None or r.info.model_fingerprint == model)
+        ]
         return min(usable, key=lambda r: (r.pinned, r.address)) if usable else None
 
     def any_usable(self) -> bool:
         return any(r.usable() for r in self.replicas.values())
 
+    def first_info(self) -> ModelInfo | None:
+        return next((r.info for r in self.replicas.values() if r.info), None)
+
     async def aclose(self) -> None:
         for replica in self.replicas.values():
-            await replica.channel.close()
+            await replica.port.aclose()
         self.replicas.clear()
+
+
+def fixed(name: str) -> Callable[[str], list[str]]:
+    """A resolver that always names the one replica ``name`` (in-process pools)."""
+    return lambda spec: [name]

@@ -68,6 +68,9 @@ class ModelServiceConfig:
     grace_period_s: float = 10.0
     # Threads torch may use on the CPU; 0 keeps torch's default.
     torch_threads: int = 0
+    # Most tokens one forward pass takes across all sessions (continuous
+    # batching); longer prefills are cut into chunks of the budget that is left.
+    max_batch_tokens: int = 512
     tls: TlsConfig = field(default_factory=TlsConfig)
 
 
@@ -84,11 +87,21 @@ class OrchestratorConfig:
     draft_address: str = "127.0.0.1:50051"
     target_address: str = "127.0.0.1:50052"
     resolve_interval_s: float = 10.0
-    # Default tokens drafted per step, and the largest a request may ask for.
+    # Requests that leave gamma unset: with adaptive_gamma, the orchestrator
+    # chooses gamma (and whether to draft ahead) at every step from its cost
+    # model; otherwise they use `gamma`. max_gamma bounds both and requests.
+    adaptive_gamma: bool = True
     gamma: int = 4
     max_gamma: int = 16
-    # Entries of each q put on the wire; 0 sends dense distributions.
+    # Draft the next block while the target verifies this one (overlapped
+    # speculation), unless a request says otherwise. Adaptive requests use it
+    # only when the cost model expects it to pay.
+    overlap: bool = True
+    # Most tokens each q lists on the wire (0 = no limit), and the mass it may
+    # leave to its tail (spread evenly over every other token). The draft samples
+    # from exactly what it sends: these cost acceptance, never exactness.
     wire_top_k: int = 256
+    wire_eps: float = 0.0
     # Limits a request must respect.
     max_new_tokens: int = 1024
     max_prompt_tokens: int = 1536
@@ -107,6 +120,11 @@ class OrchestratorConfig:
     draft_retry_after_s: float = 1.0
     draft_retry_max_s: float = 30.0
     grace_period_s: float = 10.0
+    # Live exactness monitor: the fraction of sampled (temperature > 0) steps
+    # whose emitted tokens are checked, and how many recent checks the
+    # uniformity statistic covers (orchestrator/monitor.py).
+    monitor_fraction: float = 0.01
+    monitor_window: int = 4096
     # Trim both caches with explicit Rollback RPCs after every step instead of
     # letting the rollback ride in the next Propose/Verify (one more round trip).
     explicit_rollback: bool = False
@@ -182,6 +200,8 @@ _POSITIVE = {
     "draft_timeout_s",
     "target_timeout_s",
     "max_message_bytes",
+    "max_batch_tokens",
+    "monitor_window",
     "default_max_tokens",
     "request_timeout_s",
     "max_body_bytes",
@@ -286,6 +306,12 @@ def _validate(cfg: Config) -> None:
             f"got {cfg.gateway.chat_template!r}"
         )
     orch = cfg.orchestrator
+    if not 0.0 <= orch.monitor_fraction <= 1.0:
+        raise ConfigError(
+            f"orchestrator.monitor_fraction: must be in [0, 1], got {orch.monitor_fraction}"
+        )
+    if not 0.0 <= orch.wire_eps < 0.5:
+        raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")
     if orch.gamma > orch.max_gamma:
         raise ConfigError(
             f"orchestrator.gamma: must be <= orchestrator.max_gamma ({orch.max_gamma}), "

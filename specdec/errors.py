@@ -1,24 +1,21 @@
-"""Domain exceptions, each with the one gRPC status it maps to.
+"""Domain errors: what went wrong, in the domain's words.
 
-Domain code raises these; ``specdec.server.ErrorInterceptor`` turns them into
-a status and a message. Nothing else in the project picks status codes.
+Domain code (models, sessions, sampling, the orchestrator's engine) raises
+these and knows nothing of transports. The one mapping to gRPC status codes
+lives at the edge, in ``specdec.transport.status``; an HTTP edge would map
+the same classes to its own codes.
 """
 
 from __future__ import annotations
 
-import grpc
-
 
 class SpecdecError(Exception):
-    """Base class: a failure with a precise gRPC status."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    """Base class of every domain error."""
 
 
 class InvalidArgument(SpecdecError):
-    """A request field is invalid. The message starts with the field's name."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """A request field is invalid. The message starts with the field's name
+    and states the allowed range."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -26,29 +23,41 @@ class InvalidArgument(SpecdecError):
 
 
 class NotFound(SpecdecError):
-    code = grpc.StatusCode.NOT_FOUND
+    """An unknown session or resource."""
 
 
 class AlreadyExists(SpecdecError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    """A session id that is already live."""
 
 
 class FailedPrecondition(SpecdecError):
-    """E.g. a request expects a cache length the session does not have."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """The request does not fit the current state, e.g. a cache length the
+    session does not have."""
 
 
 class ResourceExhausted(SpecdecError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """An admission limit is reached (sessions, concurrent requests)."""
 
 
 class Unavailable(SpecdecError):
-    code = grpc.StatusCode.UNAVAILABLE
+    """A dependency is down or the service is shutting down."""
 
 
 class Unauthenticated(SpecdecError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    """Missing or invalid credentials."""
+
+
+class DeadlineExceeded(SpecdecError):
+    """A deadline passed: the request's, or a session's idle time."""
+
+
+class SessionLost(SpecdecError):
+    """A model service no longer holds a session as the caller knows it (it
+    restarted, or the cache length disagrees): re-open it from the history."""
+
+
+class Unsupported(SpecdecError):
+    """A model or feature this build cannot serve (refused at start-up)."""
 
 
 def require(cond: bool, field: str, message: str) -> None:

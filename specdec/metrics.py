@@ -118,6 +118,42 @@ FALLBACK_REQUESTS = Counter(
     ["reason"],
     registry=None,
 )
+CHOSEN_GAMMA = Histogram(
+    "specdec_adaptive_gamma",
+    "gamma the adaptive policy chose for a step (requests that leave gamma unset).",
+    buckets=tuple(range(0, MAX_POSITION_LABEL + 1)),
+    registry=None,
+)
+ESTIMATE = Gauge(
+    "specdec_adaptive_estimate",
+    "The cost model's current estimates: alpha, draft seconds per token, verify seconds "
+    "(plain and per verified position), round-trip seconds to each service.",
+    ["quantity"],
+    registry=None,
+)
+OVERLAPPED_STEPS = Counter(
+    "specdec_overlapped_steps_total",
+    "Steps whose next draft was drafted during the verify: used (every draft accepted) "
+    "or discarded (a rejection, or the ahead draft failed).",
+    ["outcome"],
+    registry=None,
+)
+PIT_CHI2 = Gauge(
+    "specdec_exactness_pit_chi2",
+    "Live exactness monitor: chi-square (15 df) of the randomized PIT values of sampled "
+    "emitted tokens in the window against the uniform; above 70 the output is biased.",
+    registry=None,
+)
+PIT_WINDOW = Gauge(
+    "specdec_exactness_pit_window",
+    "Live exactness monitor: PIT values currently in the window.",
+    registry=None,
+)
+PIT_TOKENS = Counter(
+    "specdec_exactness_pit_tokens_total",
+    "Live exactness monitor: emitted tokens whose PIT value was checked.",
+    registry=None,
+)
 SPECULATION_ENABLED = Gauge(
     "specdec_speculation_enabled",
     "1 while the draft is in use, 0 while the breaker is open.",
@@ -149,6 +185,27 @@ ROLLED_BACK_TOKENS = Counter(
     "specdec_model_rolled_back_tokens_total",
     "Tokens removed by cache truncations.",
     ["role"],
+    registry=None,
+)
+BATCH_SESSIONS = Histogram(
+    "specdec_model_batch_sessions",
+    "Sessions sharing one forward pass.",
+    ["role"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256),
+    registry=None,
+)
+BATCH_TOKENS = Histogram(
+    "specdec_model_batch_tokens",
+    "Tokens fed through one forward pass, all sessions together.",
+    ["role"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+    registry=None,
+)
+QUEUE_WAIT = Histogram(
+    "specdec_model_queue_wait_seconds",
+    "Time a piece of work waited for its first forward pass.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
     registry=None,
 )
 SESSION_EVICTIONS = Counter(
@@ -230,6 +287,12 @@ _ORCHESTRATOR_METRICS = (
     FALLBACK_STEPS,
     FALLBACK_REQUESTS,
     SPECULATION_ENABLED,
+    CHOSEN_GAMMA,
+    ESTIMATE,
+    OVERLAPPED_STEPS,
+    PIT_CHI2,
+    PIT_WINDOW,
+    PIT_TOKENS,
 )
 _MODEL_METRICS = (
     FORWARD_DURATION,
@@ -239,6 +302,9 @@ _MODEL_METRICS = (
     ROLLBACKS,
     ROLLED_BACK_TOKENS,
     SESSION_EVICTIONS,
+    BATCH_SESSIONS,
+    BATCH_TOKENS,
+    QUEUE_WAIT,
 )
 _SERVER_METRICS = (RPC_DURATION, RPC_HANDLED, BUILD_INFO)
 _GATEWAY_METRICS = (

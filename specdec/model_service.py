@@ -1,28 +1,35 @@
-"""What the draft and target services share: a model, its sessions, and the
-session RPCs (open, rollback, close, info), with validation of every field.
+"""What the draft and target services share: a model, its sessions, the forward
+loop that batches their work, and the session operations (open, rollback,
+close, info), with validation of every field.
 
-The services add one RPC each (Propose, Verify) on top of ``ModelService``.
-Forwards run on one worker thread so the gRPC event loop stays free.
+The services add one operation each on top of ``ModelService``: the draft's
+``propose``, the target's ``verify``. Everything here takes and returns
+domain values; the servicers convert protobuf at the edge (``specdec.wire``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 import specdec
 from specdec import metrics
 from specdec.config import ModelServiceConfig
 from specdec.errors import FailedPrecondition, Unavailable, require
-from specdec.model import KVSession, ModelRunner, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.forward_loop import BatchStats, ForwardLoop, Job
+from specdec.runtime.loading import (
+    ModelInfo,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    model_fingerprint,
+    position_limit,
+    set_threads,
+    tokenizer_fingerprint,
+)
+from specdec.runtime.ragged import Feed, RaggedRunner
 from specdec.sampling import SamplingParams
-from specdec.sessions import SessionStore
-from specdec.v1 import common_pb2
+from specdec.sessions import Session, SessionStore
+from specdec.wire import PROTOCOL_VERSION, check_tokens
 
 MAX_SESSION_ID_LEN = 128
 # Most tokens one Propose drafts or one Verify checks (both services share the bound).
@@ -30,33 +37,44 @@ MAX_GAMMA = 64
 
 
 class ModelService:
-    """A loaded model, its sessions and the worker thread that runs forwards."""
+    """A loaded model, its sessions and the forward loop that runs their work."""
 
     def __init__(
         self, role: str, cfg: ModelServiceConfig, model: Any = None, tokenizer: Any = None
     ) -> None:
         self.role = role
         self.cfg = cfg
-        if cfg.torch_threads:
-            torch.set_num_threads(cfg.torch_threads)
-        self.model = (
-            model
-            if model is not None
-            else load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
-        )
-        self.tokenizer = (
-            tokenizer if tokenizer is not None else load_tokenizer(cfg.model, cfg.trust_remote_code)
-        )
-        self.runner = ModelRunner(self.model, cfg.device)
-        self.vocab_size = self.runner.vocab_size
-        self.sessions = SessionStore(role, cfg.max_sessions, cfg.session_ttl_s)
-        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-forward")
-        self._sweeper: asyncio.Task | None = None
         self.draining = False
-        eos = self.model.config.eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, list) else (eos if eos is not None else -1)
-        metrics.BUILD_INFO.labels(role).info(
+        set_threads(cfg.torch_threads)
+        self.model = model
+        if model is None:
+            self.model = load_model(
+                cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code, quiet=True
+            )
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            self.tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        # A session may not outgrow the model's table of positions (past it the forward
+        # fails, and with it every session sharing that forward).
+        self.max_context = min(cfg.max_context, position_limit(self.model) or cfg.max_context)
+        self.runner = RaggedRunner(self.model)
+        self.vocab_size = self.runner.vocab_size
+        self.sessions = SessionStore(self.role, cfg.max_sessions)
+        self.loop = ForwardLoop(self.runner, cfg.max_batch_tokens, self._observe_batch)
+        self.info = ModelInfo(
+            model_id=cfg.model,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+            dtype=cfg.dtype,
+            device=cfg.device,
+            architecture=type(self.model).__name__,
+            eos_token_ids=tuple(eos_token_ids(self.model)),
+            max_context=self.max_context,
+            model_fingerprint=model_fingerprint(cfg.model, self.model, cfg.dtype),
+            server_version=specdec.__version__,
+            protocol_version=PROTOCOL_VERSION,
+        )
+        metrics.BUILD_INFO.labels(self.role).info(
             {
                 "model_id": cfg.model,
                 "dtype": cfg.dtype,
@@ -66,20 +84,14 @@ class ModelService:
         )
         self.sessions.update_gauges()
         # Create every labelled series now, so dashboards show 0 rather than nothing.
-        metrics.ROLLBACKS.labels(role)
-        metrics.ROLLED_BACK_TOKENS.labels(role)
-        metrics.SESSION_EVICTIONS.labels(role, "ttl")
+        metrics.ROLLBACKS.labels(self.role)
+        metrics.ROLLED_BACK_TOKENS.labels(self.role)
+        metrics.SESSION_EVICTIONS.labels(self.role, "ttl")
 
     # ---- lifecycle -------------------------------------------------------------------
-    def start_sweeper(self) -> None:
-        """Expire idle sessions in the background."""
-
-        async def sweep() -> None:
-            while True:
-                await asyncio.sleep(max(0.5, min(self.cfg.session_ttl_s / 4, 5.0)))
-                self.sessions.expire()
-
-        self._sweeper = asyncio.get_running_loop().create_task(sweep())
+    def start(self) -> None:
+        """Start the forward loop (on the running event loop)."""
+        self.loop.start()
 
     def begin_drain(self) -> None:
         """From now on, refuse new sessions; existing ones are served to the end."""
@@ -89,133 +101,84 @@ class ModelService:
         return len(self.sessions) == 0
 
     async def aclose(self) -> None:
-        if self._sweeper:
-            self._sweeper.cancel()
         self.sessions.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.loop.aclose()
 
-    async def run(self, fn, *args):
-        """Run fn(*args) on the forward thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def _observe_batch(self, b: BatchStats) -> None:
+        kinds = set(b.kinds)
+        kind = kinds.pop() if len(kinds) == 1 else "mixed"
+        metrics.FORWARD_DURATION.labels(self.role, kind).observe(b.seconds)
+        metrics.TOKENS_PROCESSED.labels(self.role, kind).inc(b.tokens)
+        metrics.BATCH_SESSIONS.labels(self.role).observe(b.sessions)
+        metrics.BATCH_TOKENS.labels(self.role).observe(b.tokens)
+        for wait in b.queue_waits:
+            metrics.QUEUE_WAIT.labels(self.role).observe(wait)
 
     # ---- validation ------------------------------------------------------------------
-    def check_session_id(self, session_id: str) -> None:
-        require(
-            0 < len(session_id) <= MAX_SESSION_ID_LEN,
-            "session_id",
-            f"must be 1..{MAX_SESSION_ID_LEN} characters",
-        )
-
     def check_tokens(self, field: str, tokens, min_len: int = 0) -> list[int]:
-        tokens = list(tokens)
-        require(len(tokens) >= min_len, field, f"must hold at least {min_len} token(s)")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        require(not bad, field, f"token id {bad[:1]} outside the vocabulary [0, {self.vocab_size})")
-        return tokens
+        return check_tokens(field, tokens, self.vocab_size, min_len)
 
     def check_room(self, field: str, needed: int) -> None:
         require(
-            needed <= self.cfg.max_context,
+            needed <= self.max_context,
             field,
-            f"the session would hold {needed} tokens, over max_context {self.cfg.max_context}",
+            f"the session would hold {needed} tokens, over max_context {self.max_context}",
         )
 
-    def session_at(self, session_id: str, cache_len: int) -> KVSession:
-        """The session, checked to hold at least ``cache_len`` tokens."""
-        self.check_session_id(session_id)
-        session = self.sessions.get(session_id)
-        require(cache_len >= 0, "cache_len", "must be >= 0")
+    def roll_back_to(self, session: Session, cache_len: int) -> int:
+        """Trim the cache to ``cache_len`` (which it must hold); returns tokens dropped."""
+        require(cache_len >= 0, "cache_len", f"must be >= 0, got {cache_len}")
         if cache_len > session.length:
             raise FailedPrecondition(
-                f"cache_len: expected {cache_len} cached tokens but session {session_id!r} "
-                f"holds {session.length}"
+                f"cache_len: expected {cache_len} cached tokens but session "
+                f"{session.session_id!r} holds {session.length}"
             )
-        return session
-
-    def truncate(self, session: KVSession, cache_len: int) -> int:
-        removed = session.truncate(cache_len)
+        removed = session.kv.truncate(cache_len)
         if removed:
             metrics.ROLLBACKS.labels(self.role).inc()
             metrics.ROLLED_BACK_TOKENS.labels(self.role).inc(removed)
         return removed
 
-    def timed_forward(
-        self, kind: str, session: KVSession, tokens: list[int], logits_to_keep: int = 1
-    ) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = self.runner.forward(session, tokens, logits_to_keep)
-        if logits.is_cuda:  # kernels run asynchronously: time the work, not the launch
-            torch.cuda.synchronize(logits.device)
-        metrics.FORWARD_DURATION.labels(self.role, kind).observe(time.perf_counter() - start)
-        metrics.TOKENS_PROCESSED.labels(self.role, kind).inc(len(tokens))
-        return logits
-
-    # ---- the shared RPCs ---------------------------------------------------------------
-    async def open(self, session_id: str, tokens) -> int:
+    # ---- the shared operations ---------------------------------------------------------
+    async def open(
+        self, session_id: str, tokens, params: SamplingParams, extra: Any = None
+    ) -> Session:
+        """A new session with ``tokens`` prefilled."""
         if self.draining:
             raise Unavailable(f"{self.role}: shutting down, not opening new sessions")
-        self.check_session_id(session_id)
+        require(
+            0 < len(session_id) <= MAX_SESSION_ID_LEN,
+            "session_id",
+            f"must be 1..{MAX_SESSION_ID_LEN} characters",
+        )
         tokens = self.check_tokens("tokens", tokens)
         self.check_room("tokens", len(tokens))
-        session = self.runner.new_session(session_id)
+        session = Session(session_id, params, extra=extra)
         self.sessions.add(session)
         try:
             if tokens:
-                await self.run(self.timed_forward, "prefill", session, tokens)
+                await self.run(self._prefill(session, tokens), "prefill")
         except BaseException:
-            self.sessions.remove(session_id)
+            self.sessions.remove(session)
             raise
         self.sessions.update_gauges()
-        return session.length
+        return session
 
-    async def rollback(self, session_id: str, cache_len: int) -> tuple[int, int]:
-        session = self.session_at(session_id, cache_len)
-        removed = self.truncate(session, cache_len)
+    def _prefill(self, session: Session, tokens: list[int]) -> Job:
+        yield Feed(session.kv, tokens, 0)
+
+    async def run(self, job: Job, kind: str) -> Any:
+        return await self.loop.run(job, kind)
+
+    def rollback(self, session: Session, cache_len: int) -> int:
+        removed = self.roll_back_to(session, cache_len)
         self.sessions.update_gauges()
-        return session.length, removed
+        return removed
 
-    def close(self, session_id: str) -> bool:
-        return self.sessions.remove(session_id)
+    def close(self, session: Session) -> bool:
+        return self.sessions.remove(session)
 
-    def info(self) -> common_pb2.ModelInfo:
-        return common_pb2.ModelInfo(
-            model_id=self.cfg.model,
-            vocab_size=self.vocab_size,
-            tokenizer_fingerprint=self.fingerprint,
-            dtype=self.cfg.dtype,
-            device=self.cfg.device,
-            architecture=type(self.model).__name__,
-            eos_token_id=self.eos_token_id,
-            max_context=self.cfg.max_context,
-            server_version=specdec.__version__,
-        )
-
-
-def params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated sampling parameters; a top_p of 0 on the wire means unset (1)."""
-    t, k, p = pb.temperature, pb.top_k, pb.top_p or 1.0
-    require(math.isfinite(t) and t >= 0, "params.temperature", f"must be >= 0, got {t}")
-    require(k >= 0, "params.top_k", f"must be >= 0, got {k}")
-    require(math.isfinite(p) and 0 < p <= 1, "params.top_p", f"must be in (0, 1], got {p}")
-    return SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p))
-
-
-class SessionServicerMixin:
-    """The session RPCs, identical in both services; ``self.svc`` is a ModelService."""
-
-    svc: ModelService
-
-    async def OpenSession(self, request, context):
-        return common_pb2.OpenSessionResponse(
-            cache_len=await self.svc.open(request.session_id, request.tokens)
-        )
-
-    async def Rollback(self, request, context):
-        length, removed = await self.svc.rollback(request.session_id, request.cache_len)
-        return common_pb2.RollbackResponse(cache_len=length, removed=removed)
-
-    async def CloseSession(self, request, context):
-        return common_pb2.CloseSessionResponse(existed=self.svc.close(request.session_id))
-
-    async def Info(self, request, context):
-        return self.svc.info()
+    def expired(self, session: Session, reason: str = "ttl") -> None:
+        """A session freed because its stream went idle."""
+        metrics.SESSION_EVICTIONS.labels(self.role, reason).inc()
+        self.close(session)

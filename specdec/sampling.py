@@ -15,15 +15,25 @@ them, for any q. Greedy decoding (temperature 0) is the special case where p
 and q are one-hot at their argmax: a draft is accepted iff it equals the
 target's argmax, and the residual is the target's argmax.
 
+**The proposal is what goes on the wire.** The draft does not sample from its
+float distribution and then describe it approximately: it first turns it into
+a ``SparseQ`` (the most likely tokens with integer counts out of 2^bits, plus
+the rest of the mass spread evenly over every other token), then samples from
+exactly that. Truncation and quantization therefore cost acceptance, never
+exactness.
+
 The same warping (temperature, then top-k, then top-p, the order of
-transformers' ``generate``) is applied wherever p or q is formed.
-Not for: models, caches or the wire; see ``specdec.model`` and the services.
+transformers' ``generate``) is applied wherever p or q is formed. Randomness
+comes in as numbers (uniforms, a numpy Generator), never from global state.
+Not for: models, caches or the wire format (``specdec.wire``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -38,6 +48,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def full_support(self) -> bool:
+        """True when warping keeps every token possible (no top-k / top-p)."""
+        return self.top_k == 0 and self.top_p >= 1.0
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -77,56 +92,121 @@ def _prob_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row. probs: [..., vocab] (need not be normalized) -> [...] int64."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator)
-    return out.reshape(probs.shape[:-1])
+# ---- the proposal: a sparse, quantized q, exact by construction --------------------------
 
 
-def truncate_top(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most likely entries of one distribution, renormalized.
+@dataclass(frozen=True)
+class SparseQ:
+    """One drafted position's proposal distribution q, as the draft samples from it.
 
-    probs: [vocab] -> (token_ids [k'], probs [k']) with k' = min(k, support).
-    Sampling from the result and reporting it as q keeps speculation exact:
-    the proposal distribution is whatever the draft really sampled from.
+    q(ids[j]) = counts[j] / 2^bits; each of the other vocab - k tokens gets
+    tail / (2^bits * (vocab - k)). counts sum with tail to 2^bits exactly.
     """
-    k = min(k, probs.shape[-1])
-    vals, ids = torch.topk(probs, k)
-    keep = vals > 0
-    vals, ids = vals[keep], ids[keep]
-    return ids, vals / vals.sum()
+
+    ids: np.ndarray  # [k] int64, distinct, in [0, vocab)
+    counts: np.ndarray  # [k] int64, each > 0
+    tail: int  # >= 0; 0 when every listed token's mass is all there is
+    vocab: int
+    bits: int = 16
+
+    @property
+    def scale(self) -> int:
+        return 1 << self.bits
+
+    @classmethod
+    def point(cls, token: int, vocab: int) -> SparseQ:
+        """All mass on one token (greedy drafting)."""
+        return cls(np.array([token], dtype=np.int64), np.array([1 << 16]), 0, vocab)
+
+    def prob(self, token: int) -> float:
+        """q(token), exactly as the draft sampled it (float64)."""
+        hit = np.flatnonzero(self.ids == token)
+        if hit.size:
+            return float(self.counts[hit[0]]) / self.scale
+        unlisted = self.vocab - len(self.ids)
+        return self.tail / (self.scale * unlisted) if self.tail else 0.0
+
+    def dense(self, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """q over the whole vocabulary: [vocab]."""
+        unlisted = self.vocab - len(self.ids)
+        fill = self.tail / (self.scale * unlisted) if self.tail else 0.0
+        q = torch.full((self.vocab,), fill, dtype=dtype, device=device)
+        q[torch.from_numpy(self.ids).to(device)] = (
+            torch.from_numpy(self.counts).to(device=device, dtype=dtype) / self.scale
+        )
+        return q
+
+    def sample(self, rng: np.random.Generator) -> int:
+        """One token drawn from exactly this distribution (integer arithmetic)."""
+        r = int(rng.integers(0, self.scale))
+        j = int(np.searchsorted(np.cumsum(self.counts), r, side="right"))
+        if j < len(self.ids):
+            return int(self.ids[j])
+        # The tail: uniform over the tokens not listed. The u-th of them is u plus
+        # the number of listed ids whose rank among the unlisted is <= u.
+        listed = np.sort(self.ids)
+        u = int(rng.integers(0, self.vocab - len(listed)))
+        return u + int(np.searchsorted(listed - np.arange(len(listed)), u, side="right"))
 
 
-def draft_distribution(
-    logits: torch.Tensor, params: SamplingParams, wire_top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft's proposal q for one position, as (token_ids [k], probs [k]).
+def sparse_q(
+    logits: torch.Tensor, params: SamplingParams, max_entries: int, eps: float, bits: int = 16
+) -> SparseQ:
+    """The draft's proposal for one position. logits: [vocab].
 
-    logits: [vocab]. Greedy: one-hot at the argmax, no softmax. With top_p = 1
-    only the top entries are exponentiated (top-k of logits, then a softmax
-    over them equals truncating the warped distribution). wire_top_k 0 keeps
-    the whole vocabulary (dense diagnostics).
+    Lists the most likely tokens until they hold 1 - eps of the warped mass,
+    at most ``max_entries`` of them (0: no cap), with integer counts out of
+    2^bits (largest remainders, so rounding moves at most 2^-bits per entry).
+    Without top-k / top-p the remaining mass is spread evenly over every other
+    token (the draft keeps its whole support, which keeps acceptance when q is
+    flat); with them, what is left out is left out.
+    Greedy: all mass on the argmax.
     """
     vocab = logits.shape[-1]
     if params.greedy:
-        return logits.argmax(dim=-1, keepdim=True), torch.ones(1, device=logits.device)
-    k = wire_top_k if wire_top_k > 0 else vocab
-    if params.top_k > 0:
-        k = min(k, params.top_k)
-    if params.top_p >= 1.0 and k < vocab:
-        scores = logits.float() / params.temperature
-        vals, ids = torch.topk(scores, k)  # [k] each, descending
-        # Ties at the top_k boundary beyond k are dropped here; q may differ
-        # from the warped p, which costs acceptance, never exactness.
-        return ids, vals.softmax(dim=-1)
-    return truncate_top(probs_from_logits(logits, params), k)
+        return SparseQ.point(int(logits.argmax()), vocab)
+    scores = logits.float() / params.temperature if params.full_support else None
+    if scores is None:
+        scores = warp_logits(logits.float(), params)
+    k = vocab if max_entries <= 0 else min(max_entries, vocab)
+    top, ids = torch.topk(scores, k)  # [k] each, most likely first
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = np.exp(top.double().cpu().numpy() - float(lse))  # [k] warped mass of each
+    ids = ids.cpu().numpy()
+    return quantize(ids, probs, vocab, eps, bits, keep_tail=params.full_support)
 
 
-def sparse_to_dense(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """ids: [k], probs: [k] -> [vocab]."""
-    dense = torch.zeros(vocab, dtype=probs.dtype, device=probs.device)
-    return dense.index_put_((ids,), probs, accumulate=True)
+def quantize(
+    ids: np.ndarray, probs: np.ndarray, vocab: int, eps: float, bits: int, keep_tail: bool
+) -> SparseQ:
+    """Integer counts out of 2^bits for ``probs`` (sorted, most likely first).
+
+    ids, probs: [k]. The listed set is cut where the cumulative mass first
+    reaches 1 - eps; ``keep_tail`` spreads the rest over the unlisted tokens.
+    """
+    scale = 1 << bits
+    cum = np.cumsum(probs)
+    k = min(int(np.searchsorted(cum, 1.0 - eps)) + 1, len(probs))
+    ids, probs = ids[:k], probs[:k]
+    tail_mass = max(0.0, 1.0 - float(cum[k - 1])) if keep_tail and k < vocab else 0.0
+    exact = probs * (scale / (float(cum[k - 1]) + tail_mass))  # [k] target counts
+    counts = np.floor(exact).astype(np.int64)
+    tail = int(tail_mass * scale / (float(cum[k - 1]) + tail_mass))
+    left = scale - tail - int(counts.sum())
+    if left > 0:  # largest remainders first; a leftover beyond k goes to the top token
+        order = np.argsort(counts - exact, kind="stable")[: min(left, k)]
+        counts[order] += 1
+        counts[0] += left - len(order)
+    keep = counts > 0
+    if not keep.all():
+        ids, counts = ids[keep], counts[keep]
+    if tail and len(ids) == vocab:  # nothing left to spread it over
+        counts[0] += tail
+        tail = 0
+    return SparseQ(ids.astype(np.int64), counts, tail, vocab, bits)
+
+
+# ---- the target's half of a step ----------------------------------------------------------
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -140,64 +220,134 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-@dataclass
-class VerifyResult:
-    """What the target returns for one step (everything the orchestrator needs)."""
+def inverse_cdf(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn with the given uniforms.
 
-    p_draft: torch.Tensor  # [gamma] p_i(x_i)
-    residual_tokens: torch.Tensor  # [gamma] a draw from norm(max(0, p_i - q_i))
+    rows: [n, vocab] non-negative (need not be normalized); u: [n] in [0, 1).
+    Returns [n] int64: the first index whose cumulative mass exceeds u * total.
+    """
+    cdf = rows.double().cumsum(dim=-1)  # [n, vocab]
+    target = u.to(cdf) * cdf[:, -1]  # [n]
+    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    return idx.clamp_max(rows.shape[-1] - 1)
+
+
+@dataclass
+class Proposal:
+    """The draft's half of a step: x_1..x_gamma and the q each was drawn from."""
+
+    tokens: list[int]  # [gamma]
+    qs: list[SparseQ] | None  # [gamma]; None while only the wire form is at hand
+    cache_len: int = 0  # the draft's cache length after drafting
+    packed: Any = None  # the wire form, kept so that forwarding it costs no re-encoding
+    compute_s: float = 0.0  # seconds the draft service spent on it
+    forward_s: float = 0.0  # of which in the gamma forward passes
+    batch_tokens: float = 0.0  # mean tokens those passes carried, all sessions together
+
+
+@dataclass
+class Verdict:
+    """The target's half of a step (everything the acceptance test needs)."""
+
+    p_draft: list[float]  # [gamma] p_i(x_i)
+    q_draft: list[float]  # [gamma] q_i(x_i), from the proposal as sent
+    residual_tokens: list[int]  # [gamma] a draw from norm(max(0, p_i - q_i))
     bonus_token: int  # a draw from p_{gamma+1}
     p: torch.Tensor | None = None  # [gamma + 1, vocab] when asked for (dense diagnostics)
+    cache_len: int = 0  # the target's cache length after the pass
+    compute_s: float = 0.0  # seconds the target service spent on it
+    forward_s: float = 0.0  # of which in the forward pass
+    batch_tokens: int = 0  # tokens that pass carried, all sessions together
+    # For the exactness monitor (when asked): x_1..x_gamma, the residual draws, the
+    # bonus (2 gamma + 1 entries): p's mass below each token (vocabulary order), and on it.
+    cdf_below: list[float] | None = None
+    p_at: list[float] | None = None
 
 
 def verify_draft(
     logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    q: torch.Tensor,
+    draft_tokens: list[int],
+    qs: list[SparseQ],
     params: SamplingParams,
-    generator: torch.Generator | None = None,
+    u: torch.Tensor,
     keep_p: bool = False,
-) -> VerifyResult:
+    pit: bool = False,
+) -> Verdict:
     """The target's half of a step.
 
     logits: [gamma + 1, vocab], target logits at the positions that predict
         x_1..x_gamma and the bonus token.
-    draft_tokens: [gamma] int64, x_1..x_gamma.
-    q: [gamma, vocab] dense proposal distributions (rows sum to 1).
+    draft_tokens: x_1..x_gamma; qs: the proposals they were drawn from.
+    u: [gamma + 1] uniforms for the residual draws and the bonus draw.
+    ``pit``: also report what a probability integral transform of each
+    candidate token needs (``pit_terms``); never for greedy (p is one-hot there).
     """
-    gamma = draft_tokens.shape[0]
+    gamma = len(draft_tokens)
+    q_draft = [q.prob(x) for q, x in zip(qs, draft_tokens, strict=True)]
     if params.greedy:
         # p one-hot at a: p_i(x_i) = [x_i == a_i], residual = a_i (see residual_distribution).
-        argmax = logits.argmax(dim=-1)  # [gamma + 1]
-        p = probs_from_logits(logits, params) if keep_p else None
-        return VerifyResult(
-            p_draft=(argmax[:gamma] == draft_tokens).float(),
+        argmax = logits.argmax(dim=-1).tolist()  # [gamma + 1]
+        return Verdict(
+            p_draft=[float(a == x) for a, x in zip(argmax, draft_tokens, strict=False)],
+            q_draft=q_draft,
             residual_tokens=argmax[:gamma],
-            bonus_token=int(argmax[gamma]),
-            p=p,
+            bonus_token=argmax[gamma],
+            p=probs_from_logits(logits, params) if keep_p else None,
         )
     p = probs_from_logits(logits, params)  # [gamma + 1, vocab]
-    p_draft = p[:gamma].gather(-1, draft_tokens[:, None]).squeeze(-1)  # [gamma]
-    rows = torch.cat([residual_distribution(p[:gamma], q.to(p.dtype)), p[gamma:]])
-    drawn = sample(rows, generator)  # [gamma + 1]
-    return VerifyResult(
-        p_draft=p_draft,
+    drafts = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)
+    p_draft = p[:gamma].gather(-1, drafts[:, None]).squeeze(-1)  # [gamma]
+    rows = p
+    if gamma:
+        q = torch.stack([q.dense(p.device, p.dtype) for q in qs])  # [gamma, vocab]
+        rows = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
+    drawn = inverse_cdf(rows, u).tolist()  # [gamma + 1]
+    verdict = Verdict(
+        p_draft=p_draft.tolist(),
+        q_draft=q_draft,
         residual_tokens=drawn[:gamma],
-        bonus_token=int(drawn[gamma]),
+        bonus_token=drawn[gamma],
         p=p if keep_p else None,
     )
+    if pit:
+        candidates = list(draft_tokens) + drawn[:gamma] + [drawn[gamma]]
+        rows_of = list(range(gamma)) * 2 + [gamma]  # the position each candidate is for
+        verdict.cdf_below, verdict.p_at = pit_terms(p, rows_of, candidates)
+    return verdict
 
 
-def accepted_count(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor) -> int:
+def pit_terms(
+    p: torch.Tensor, rows: list[int], tokens: list[int]
+) -> tuple[list[float], list[float]]:
+    """For each (row, token): p[row]'s mass on ids below the token, and on the token.
+
+    p: [positions, vocab]. With v ~ U[0, 1), below + v * at is uniform on [0, 1)
+    exactly when the token was drawn from p[row] (randomized PIT).
+    """
+    if not tokens:
+        return [], []
+    cdf = p.double().cumsum(dim=-1)  # [positions, vocab]
+    r = torch.tensor(rows, device=p.device)
+    t = torch.tensor(tokens, device=p.device)
+    at = p.double()[r, t]
+    below = cdf[r, t] - at
+    return below.clamp_min(0).tolist(), at.tolist()
+
+
+# ---- the orchestrator's half --------------------------------------------------------------
+
+
+def accepted_count(p_draft, q_draft, u) -> int:
     """n: how many drafts are accepted, in order, until the first rejection.
 
-    p_draft, q_draft, u: [gamma]; u ~ U[0, 1). x_i is accepted iff
+    p_draft, q_draft, u: [gamma] sequences; u ~ U[0, 1). x_i is accepted iff
     u_i < p_i(x_i) / q_i(x_i), i.e. with probability min(1, p/q).
     NOTE: q_i(x_i) > 0 because x_i was drawn from q_i; p_i(x_i) = 0 always rejects.
     """
-    accept = u * q_draft < p_draft  # [gamma]
-    rejected = (~accept).nonzero()
-    return int(rejected[0]) if rejected.numel() else int(accept.shape[0])
+    for i, (p, q, ui) in enumerate(zip(p_draft, q_draft, u, strict=True)):
+        if not ui * q < p:
+            return i
+    return len(p_draft)
 
 
 def step_tokens(
@@ -209,6 +359,9 @@ def step_tokens(
     return list(draft_tokens[:n]) + [tail]
 
 
+# ---- the cost model -----------------------------------------------------------------------
+
+
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     """(1 - alpha^(gamma+1)) / (1 - alpha): expected tokens a step emits."""
     if alpha >= 1.0:
@@ -216,9 +369,11 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Walltime improvement over plain decoding with cost ratio c (draft/target step)."""
-    return expected_tokens_per_step(alpha, gamma) / (gamma * c + 1.0)
+def expected_speedup(alpha: float, gamma: int, c: float, v: float = 1.0) -> float:
+    """Walltime improvement over plain decoding: tokens per step over the step's cost
+    in decode steps, gamma c + v, where c = draft step / target step and v = the
+    verify pass over gamma + 1 tokens / one target decode step (the paper: v = 1)."""
+    return expected_tokens_per_step(alpha, gamma) / (gamma * c + v)
 
 
 def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

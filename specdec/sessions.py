@@ -1,29 +1,47 @@
-"""The store of live sessions in a model service: limit, TTL and gauges.
+"""The live sessions of a model service: what each holds, the limit, the gauges.
 
-Not for: cache contents (``specdec.model.KVSession`` owns those).
+A session lives exactly as long as its stream (see the services'
+``Session`` RPC); this store only counts and finds them.
+Not for: cache contents (``specdec.runtime.ragged.SessionKV`` owns those).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from specdec import metrics
-from specdec.errors import AlreadyExists, NotFound, ResourceExhausted
-from specdec.model import KVSession
+from specdec.errors import AlreadyExists, ResourceExhausted
+from specdec.runtime.ragged import SessionKV
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class Session:
+    """One session of a model service."""
+
+    session_id: str
+    params: SamplingParams
+    kv: SessionKV = field(default_factory=SessionKV)
+    opened: float = field(default_factory=time.monotonic)
+    extra: Any = None  # what the role keeps per session (the draft: its wire settings)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
 
 
 class SessionStore:
-    def __init__(self, role: str, max_sessions: int, ttl_s: float) -> None:
+    def __init__(self, role: str, max_sessions: int) -> None:
         self.role = role
         self.max_sessions = max_sessions
-        self.ttl_s = ttl_s
-        self._sessions: dict[str, KVSession] = {}
+        self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def add(self, session: KVSession) -> None:
-        self.expire()
+    def add(self, session: Session) -> None:
         if session.session_id in self._sessions:
             raise AlreadyExists(f"session_id: session {session.session_id!r} already exists")
         if len(self._sessions) >= self.max_sessions:
@@ -33,30 +51,12 @@ class SessionStore:
         self._sessions[session.session_id] = session
         self.update_gauges()
 
-    def get(self, session_id: str) -> KVSession:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound(
-                f"session_id: no live session {session_id!r} (closed, expired or lost in a restart)"
-            )
-        session.last_used = time.monotonic()
-        return session
-
-    def remove(self, session_id: str) -> bool:
-        existed = self._sessions.pop(session_id, None) is not None
+    def remove(self, session: Session) -> bool:
+        existed = self._sessions.get(session.session_id) is session
+        if existed:
+            del self._sessions[session.session_id]
         self.update_gauges()
         return existed
-
-    def expire(self, now: float | None = None) -> int:
-        """Free sessions idle for longer than the TTL; returns how many."""
-        now = time.monotonic() if now is None else now
-        stale = [s for s, v in self._sessions.items() if now - v.last_used > self.ttl_s]
-        for sid in stale:
-            del self._sessions[sid]
-        if stale:
-            metrics.SESSION_EVICTIONS.labels(self.role, "ttl").inc(len(stale))
-            self.update_gauges()
-        return len(stale)
 
     def clear(self) -> None:
         self._sessions.clear()

@@ -1,7 +1,7 @@
 """A gateway process in front of a test stack's orchestrator (or any gRPC address).
 
 Builds on ``tests.stack``: the stack's config file plus a ``gateway`` section
-on free loopback ports, started with ``specdec.cli.start_gateway`` (which
+on free loopback ports, started with ``specdec.local.stack.start_gateway`` (which
 waits until ``/health`` answers 200), its output in ``gateway.log``.
 """
 
@@ -16,7 +16,7 @@ from urllib.request import urlopen
 
 import yaml
 
-from specdec.cli import start_gateway, stop_local
+from specdec.local.stack import start_gateway, stop_local
 
 from .stack import free_port
 

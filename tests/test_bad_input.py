@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import queue
 import time
 
 import grpc
@@ -84,125 +85,241 @@ def test_generate_rejects_bad_field(llama_stack, name, fields, code, field):
     assert llama_stack.generate(**OK_REQ_TEXT) != ""
 
 
-def _call_error(fn, *args, **kw) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as err:
-        result = fn(*args, timeout=10, **kw)
-        if not isinstance(
-            result,
-            common_pb2.ModelInfo
-            | common_pb2.OpenSessionResponse
-            | common_pb2.RollbackResponse
-            | target_pb2.VerifyResponse,
-        ):
-            list(result)
-    return err.value
-
-
-def test_model_services_reject_bad_calls(llama_stack):
-    draft_ch = grpc.insecure_channel(llama_stack.address("draft"))
-    target_ch = grpc.insecure_channel(llama_stack.address("target"))
-    draft = draft_pb2_grpc.DraftServiceStub(draft_ch)
-    target = target_pb2_grpc.TargetServiceStub(target_ch)
-    params = common_pb2.SamplingParams(temperature=1.0)
+def session(stub, *messages, timeout: float = 10):
+    """Send ``messages`` on one session stream; returns (replies, error or None)."""
+    replies = []
     try:
-        e = _call_error(
-            draft.Propose,
-            draft_pb2.ProposeRequest(session_id="nope", append_tokens=[1], gamma=2, params=params),
-        )
-        assert e.code() == grpc.StatusCode.NOT_FOUND and "session_id" in e.details()
+        for reply in stub.Session(iter(messages), timeout=timeout):
+            replies.append(reply)
+    except grpc.RpcError as e:
+        return replies, e
+    return replies, None
 
-        draft.OpenSession(
-            common_pb2.OpenSessionRequest(session_id="s1", tokens=[1, 2, 3]), timeout=10
-        )
-        e = _call_error(draft.OpenSession, common_pb2.OpenSessionRequest(session_id="s1"))
-        assert e.code() == grpc.StatusCode.ALREADY_EXISTS
-        e = _call_error(
-            draft.Propose,
-            draft_pb2.ProposeRequest(
-                session_id="s1", cache_len=7, append_tokens=[1], gamma=2, params=params
-            ),
-        )
-        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert e.details().startswith("cache_len:")
-        e = _call_error(
-            draft.Propose,
-            draft_pb2.ProposeRequest(
-                session_id="s1", cache_len=3, append_tokens=[1], gamma=0, params=params
-            ),
-        )
-        assert e.code() == INVALID and e.details().startswith("gamma:")
-        e = _call_error(
-            draft.Propose,
-            draft_pb2.ProposeRequest(
-                session_id="s1", cache_len=3, append_tokens=[], gamma=2, params=params
-            ),
-        )
-        assert e.code() == INVALID and e.details().startswith("append_tokens:")
-        e = _call_error(
-            draft.Propose,
-            draft_pb2.ProposeRequest(
-                session_id="s1",
-                cache_len=3,
-                append_tokens=[1],
-                gamma=2,
-                params=common_pb2.SamplingParams(temperature=1.0, top_p=2.0),
-            ),
-        )
-        assert e.code() == INVALID and e.details().startswith("params.top_p:")
-        e = _call_error(draft.Rollback, common_pb2.RollbackRequest(session_id="s1", cache_len=9))
-        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
-        ok = draft.Rollback(common_pb2.RollbackRequest(session_id="s1", cache_len=1), timeout=10)
-        assert (ok.cache_len, ok.removed) == (1, 2)
-        assert draft.CloseSession(
-            common_pb2.CloseSessionRequest(session_id="s1"), timeout=10
-        ).existed
 
-        target.OpenSession(
-            common_pb2.OpenSessionRequest(session_id="t1", tokens=[1, 2]), timeout=10
+def _open(session_id="s1", tokens=(1, 2, 3), **params):
+    return common_pb2.OpenSession(
+        session_id=session_id,
+        tokens=list(tokens),
+        params=common_pb2.SamplingParams(**(params or {"temperature": 1.0})),
+        wire_top_k=16,
+    )
+
+
+def D(**kind):  # noqa: N802 - a message constructor
+    return draft_pb2.DraftRequest(**kind)
+
+
+def T(**kind):  # noqa: N802
+    return target_pb2.TargetRequest(**kind)
+
+
+def _q(ids, counts, tail=0, bits=16):
+    """A PackedQ of one position, encoded by hand (deltas and counts below 255)."""
+    deltas = [ids[0]] + [b - a for a, b in zip(ids, ids[1:], strict=False)]
+    big = [c for c in counts if c >= 255]
+    return common_pb2.PackedQ(
+        sizes=[len(ids)],
+        id_deltas=bytes(deltas),
+        counts=bytes(min(c, 255) for c in counts),
+        count_escapes=big,
+        tails=[tail],
+        bits=bits,
+    )
+
+
+DRAFT_CASES = [
+    ("first message is not open", [D(propose=draft_pb2.Propose(gamma=1))], INVALID, "open"),
+    ("open twice", [D(open=_open()), D(open=_open())], INVALID, "open"),
+    ("empty session id", [D(open=_open(session_id=""))], INVALID, "session_id"),
+    ("token outside vocab", [D(open=_open(tokens=[10**6]))], INVALID, "tokens"),
+    ("top_p > 1", [D(open=_open(temperature=1.0, top_p=2.0))], INVALID, "params.top_p"),
+    ("tiny temperature", [D(open=_open(temperature=1e-30))], INVALID, "params.temperature"),
+    (
+        "wire_eps too large",
+        [D(open=common_pb2.OpenSession(session_id="s", tokens=[1], wire_eps=0.7))],
+        INVALID,
+        "wire_eps",
+    ),
+    (
+        "cache_len beyond the cache",
+        [D(open=_open()), D(propose=draft_pb2.Propose(cache_len=7, append_tokens=[1], gamma=2))],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "cache_len",
+    ),
+    (
+        "gamma 0",
+        [D(open=_open()), D(propose=draft_pb2.Propose(cache_len=3, append_tokens=[1], gamma=0))],
+        INVALID,
+        "gamma",
+    ),
+    (
+        "nothing appended",
+        [D(open=_open()), D(propose=draft_pb2.Propose(cache_len=3, gamma=2))],
+        INVALID,
+        "append_tokens",
+    ),
+    (
+        "rollback beyond the cache",
+        [D(open=_open()), D(rollback=common_pb2.Rollback(cache_len=9))],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "cache_len",
+    ),
+]
+
+TARGET_CASES = [
+    (
+        "pending token outside vocab",
+        [T(open=_open()), T(verify=target_pb2.Verify(cache_len=3, pending_tokens=[999]))],
+        INVALID,
+        "pending_tokens",
+    ),
+    (
+        # Empty pending tokens need p kept from a last pass that ended at cache_len.
+        "no pending token right after open",
+        [T(open=_open()), T(verify=target_pb2.Verify(cache_len=3))],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "pending_tokens",
+    ),
+    (
+        "drafts without q",
+        [
+            T(open=_open()),
+            T(verify=target_pb2.Verify(cache_len=3, pending_tokens=[1], draft_tokens=[4])),
+        ],
+        INVALID,
+        "draft_q",
+    ),
+    (
+        "drafted token with q = 0",
+        [
+            T(open=_open()),
+            T(
+                verify=target_pb2.Verify(
+                    cache_len=3, pending_tokens=[1], draft_tokens=[4], draft_q=_q([5], [65536])
+                )
+            ),
+        ],
+        INVALID,
+        "draft_q[0]",
+    ),
+    (
+        "duplicate ids in q",
+        [
+            T(open=_open()),
+            T(
+                verify=target_pb2.Verify(
+                    cache_len=3,
+                    pending_tokens=[1],
+                    draft_tokens=[4],
+                    draft_q=_q([4, 4], [32768, 32768]),
+                )
+            ),
+        ],
+        INVALID,
+        "draft_q[0]",
+    ),
+    (
+        "counts that are not a distribution",
+        [
+            T(open=_open()),
+            T(
+                verify=target_pb2.Verify(
+                    cache_len=3, pending_tokens=[1], draft_tokens=[4], draft_q=_q([4], [100])
+                )
+            ),
+        ],
+        INVALID,
+        "draft_q[0]",
+    ),
+    (
+        "escapes that do not match",
+        [
+            T(open=_open()),
+            T(
+                verify=target_pb2.Verify(
+                    cache_len=3,
+                    pending_tokens=[1],
+                    draft_tokens=[4],
+                    draft_q=common_pb2.PackedQ(
+                        sizes=[1], id_deltas=bytes([4]), counts=bytes([255]), tails=[0]
+                    ),
+                )
+            ),
+        ],
+        INVALID,
+        "draft_q.counts",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,messages,code,field", DRAFT_CASES, ids=[c[0] for c in DRAFT_CASES])
+def test_draft_rejects_bad_message(llama_stack, name, messages, code, field):
+    with grpc.insecure_channel(llama_stack.address("draft")) as ch:
+        _, err = session(draft_pb2_grpc.DraftServiceStub(ch), *messages)
+    assert err is not None, "the bad message was accepted"
+    assert err.code() == code, err.details()
+    assert err.details().startswith(field + ":"), err.details()
+    wait_for_zero_sessions(llama_stack)
+
+
+@pytest.mark.parametrize("name,messages,code,field", TARGET_CASES, ids=[c[0] for c in TARGET_CASES])
+def test_target_rejects_bad_message(llama_stack, name, messages, code, field):
+    with grpc.insecure_channel(llama_stack.address("target")) as ch:
+        _, err = session(target_pb2_grpc.TargetServiceStub(ch), *messages)
+    assert err is not None, "the bad message was accepted"
+    assert err.code() == code, err.details()
+    assert err.details().startswith(field + ":"), err.details()
+    wait_for_zero_sessions(llama_stack)
+
+
+def test_model_services_answer_good_messages(llama_stack):
+    with grpc.insecure_channel(llama_stack.address("draft")) as ch:
+        replies, err = session(
+            draft_pb2_grpc.DraftServiceStub(ch),
+            D(open=_open()),
+            D(propose=draft_pb2.Propose(cache_len=3, append_tokens=[4], gamma=3, seed=9)),
+            D(rollback=common_pb2.Rollback(cache_len=1)),
         )
-        e = _call_error(
-            target.Verify,
-            target_pb2.VerifyRequest(
-                session_id="t1", cache_len=2, pending_tokens=[999], params=params
+    assert err is None, err
+    assert replies[0].opened.cache_len == 3
+    proposal = replies[1].proposal
+    assert len(proposal.tokens) == 3 and proposal.cache_len == 3 + 1 + 2
+    assert len(proposal.q.sizes) == 3
+    assert (replies[2].rolled_back.cache_len, replies[2].rolled_back.removed) == (1, 5)
+    with grpc.insecure_channel(llama_stack.address("target")) as ch:
+        replies, err = session(
+            target_pb2_grpc.TargetServiceStub(ch),
+            T(open=_open()),
+            T(
+                verify=target_pb2.Verify(
+                    cache_len=3,
+                    pending_tokens=[1],
+                    draft_tokens=list(proposal.tokens),
+                    draft_q=proposal.q,
+                    seed=3,
+                )
             ),
         )
-        assert e.code() == INVALID and e.details().startswith("pending_tokens:")
-        e = _call_error(
-            target.Verify,
-            target_pb2.VerifyRequest(
-                session_id="t1", cache_len=2, pending_tokens=[1], draft_tokens=[4], params=params
-            ),
-        )
-        assert e.code() == INVALID and e.details().startswith("draft_q:")
-        e = _call_error(
-            target.Verify,
-            target_pb2.VerifyRequest(
-                session_id="t1",
-                cache_len=2,
-                pending_tokens=[1],
-                draft_tokens=[4],
-                draft_q=[common_pb2.Distribution(token_ids=[5], probs=[1.0])],
-                params=params,
-            ),
-        )
-        assert e.code() == INVALID and e.details().startswith("draft_q[0]:")
-        ok = target.Verify(
-            target_pb2.VerifyRequest(
-                session_id="t1",
-                cache_len=2,
-                pending_tokens=[1],
-                draft_tokens=[4],
-                draft_q=[common_pb2.Distribution(token_ids=[4], probs=[1.0])],
-                params=params,
-            ),
-            timeout=10,
-        )
-        assert ok.cache_len == 4 and len(ok.p_draft) == 1
-        target.CloseSession(common_pb2.CloseSessionRequest(session_id="t1"), timeout=10)
-    finally:
-        draft_ch.close()
-        target_ch.close()
+    assert err is None, err
+    verdict = replies[1].verdict
+    assert verdict.cache_len == 3 + 1 + 3 and len(verdict.p_draft) == 3
+    assert all(q > 0 for q in verdict.q_draft)
+    wait_for_zero_sessions(llama_stack)
     assert llama_stack.generate(**OK_REQ_TEXT) != ""
+
+
+def test_a_live_session_id_cannot_be_opened_twice(llama_stack):
+    with grpc.insecure_channel(llama_stack.address("target")) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        outbox: queue.Queue = queue.Queue()
+        outbox.put(T(open=_open(session_id="dup")))
+        held = stub.Session(iter(outbox.get, None), timeout=10)  # stays open
+        assert next(held).opened.cache_len == 3
+        _, err = session(stub, T(open=_open(session_id="dup")))
+        outbox.put(None)  # close the first stream
+        assert list(held) == []
+    assert err is not None and err.code() == grpc.StatusCode.ALREADY_EXISTS
+    wait_for_zero_sessions(llama_stack)
 
 
 def wait_for_zero_sessions(stack, timeout: float = 10.0) -> None:

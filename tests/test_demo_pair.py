@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.config import REPO_ROOT
-from specdec.model import load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.loading import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits
 
 from .stack import local_stack

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.model import load_model, load_tokenizer
+from specdec.runtime.loading import load_model, load_tokenizer
 
 PROMPTS = ["the cat sat on", "Hello, world!", "a", "we shall see what we shall see."]
 

@@ -1,6 +1,6 @@
 """Network faults between the orchestrator and its model services, through REAL services.
 
-A user-space TCP proxy (``tests.fault_proxy``) sits on the orchestrator's
+A user-space TCP proxy (``specdec.local.proxy``) sits on the orchestrator's
 draft hop and on its target hop. Promises checked:
 
 - a slow (delayed beyond ``draft_timeout_s``), stalled or dropped draft never
@@ -19,9 +19,9 @@ import time
 import grpc
 import pytest
 
+from specdec.local.proxy import FaultProxy
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from .fault_proxy import FaultProxy
 from .stack import free_port, local_stack
 
 PROMPT = "the proxy is in the way"

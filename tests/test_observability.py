@@ -180,6 +180,7 @@ def test_alerts_are_complete_and_each_is_unit_tested_firing_and_not_firing():
         "SpecdecFallbackActive",
         "SpecdecHighRequestLatency",
         "SpecdecHighErrorRate",
+        "SpecdecExactnessDrift",
     } <= names
     for a in alerts:
         assert a["labels"]["severity"] in {"warning", "critical"}, a["alert"]
@@ -350,7 +351,11 @@ def _free_port() -> int:
 
 
 class PrometheusServer:
-    """A throw-away Prometheus: 1s scrapes and rule evaluations, data in a tmp dir."""
+    """A throw-away Prometheus: 1s scrapes and rule evaluations, data in a tmp dir.
+
+    It listens on a free port and is stopped by its own process id: a Prometheus
+    the tests did not start (the system's, a user's) is never touched.
+    """
 
     def __init__(self, binary: str, workdir: Path, targets: dict[str, int]):
         self.port = _free_port()
@@ -383,14 +388,21 @@ class PrometheusServer:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 60
+        try:
+            self._wait_ready(60)
+        except BaseException:
+            self.stop()  # never leave a half-started one behind
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited:\n{self.log_path.read_text()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return
             except OSError:
                 pass
             if time.monotonic() > deadline:
@@ -425,6 +437,7 @@ class PrometheusServer:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        """Stop this server (by its process id) and wait for it."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

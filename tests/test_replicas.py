@@ -12,7 +12,7 @@ import time
 import yaml
 
 from orchestrator.replicas import resolve
-from specdec.cli import stop_local, wait_healthy
+from specdec.local.stack import stop_local, wait_healthy
 
 from .stack import Stack, free_port, write_config
 from .test_faults import greedy, run_to_end

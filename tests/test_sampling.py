@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specdec import sampling
+from specdec.rng import generator
 from specdec.sampling import (
     SamplingParams,
+    SparseQ,
     accepted_count,
-    draft_distribution,
     probs_from_logits,
+    quantize,
     residual_distribution,
+    sparse_q,
     step_tokens,
     verify_draft,
 )
@@ -96,68 +100,98 @@ def test_greedy_is_one_hot_argmax():
     logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 0.0]])
     probs = probs_from_logits(logits, SamplingParams(temperature=0.0))
     assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
-    ids, q = draft_distribution(logits[0], SamplingParams(temperature=0.0), 8)
-    assert ids.tolist() == [1] and q.tolist() == [1.0]
+    q = sparse_q(logits[0], SamplingParams(temperature=0.0), 8, 0.0)
+    assert q.ids.tolist() == [1] and q.prob(1) == 1.0 and q.tail == 0
 
 
 @pytest.mark.parametrize(
     "params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5), SamplingParams(1.0, top_p=0.7)]
 )
-def test_draft_distribution_is_truncated_warped_q(params):
+def test_sparse_q_is_the_truncated_warped_q_quantized(params):
     logits = torch.randn(64, generator=torch.Generator().manual_seed(4)) * 2
-    ids, q = draft_distribution(logits, params, wire_top_k=10)
-    assert ids.numel() <= 10 and abs(float(q.sum()) - 1) < 1e-6
-    full = probs_from_logits(logits, params)
-    expected = full[ids] / full[ids].sum()
-    torch.testing.assert_close(q, expected)
-    assert set(ids.tolist()) <= set(full.topk(10).indices.tolist()) | set(
-        (full == full[ids].min()).nonzero().flatten().tolist()
-    )
+    q = sparse_q(logits, params, max_entries=10, eps=0.0)
+    full = probs_from_logits(logits, params).double()
+    listed = full.topk(len(q.ids)).indices
+    assert set(q.ids.tolist()) <= set(listed.tolist()) and len(q.ids) <= 10
+    assert int(q.counts.sum()) + q.tail == 1 << 16
+    dense = q.dense()
+    assert abs(float(dense.sum()) - 1.0) < 1e-12
+    if params.full_support:  # the mass beyond the list is spread over everything else
+        rest = 1.0 - float(full[q.ids].sum())
+        assert abs(q.tail / 2**16 - rest) < 2e-4
+    else:  # the listed tokens are renormalized; nothing outside the warped support
+        assert q.tail == 0
+        expected = full[q.ids] / full[q.ids].sum()
+        torch.testing.assert_close(dense[q.ids], expected, rtol=0, atol=2 / 2**16)
+
+
+def test_quantize_cuts_by_mass_and_rounds_by_largest_remainder():
+    probs = np.array([0.5, 0.3, 0.15, 0.04, 0.01])
+    ids = np.arange(5)
+    q = quantize(ids, probs, vocab=100, eps=0.1, bits=4, keep_tail=True)
+    assert q.ids.tolist() == [0, 1, 2]  # 0.95 >= 1 - 0.1
+    assert int(q.counts.sum()) + q.tail == 16 and q.tail == int(0.05 * 16)
+    q = quantize(ids, probs, vocab=100, eps=0.0, bits=16, keep_tail=False)
+    assert q.tail == 0 and int(q.counts.sum()) == 1 << 16
+    assert np.abs(q.counts / 2**16 - probs).max() <= 2**-16
+
+
+def test_sparse_q_samples_exactly_what_it_describes():
+    """Listed tokens and the uniform tail, drawn with integer arithmetic, match q."""
+    q = SparseQ(np.array([3, 7, 11]), np.array([30000, 20000, 10000]), 5536, vocab=20)
+    g = generator(7)
+    n = 60000
+    draws = torch.tensor([q.sample(g) for _ in range(n)])
+    dense = q.dense()
+    assert tv(draws, dense) < tv_threshold(dense, n)
+    assert (draws == 7).sum() > 0 and ((draws != 3) & (draws != 7) & (draws != 11)).sum() > 0
 
 
 def test_verify_greedy_accepts_exactly_the_argmax():
     logits = torch.full((4, 10), -100.0)
     for row, tok in enumerate([3, 4, 5, 6]):
         logits[row, tok] = 100.0
-    drafts = torch.tensor([3, 4, 9])
-    q = torch.zeros(3, 10)
-    q[torch.arange(3), drafts] = 1.0
-    r = verify_draft(logits, drafts, q, SamplingParams(temperature=0.0))
-    n = accepted_count(r.p_draft, torch.ones(3), torch.zeros(3))
-    assert n == 2
-    assert step_tokens(drafts.tolist(), n, r.residual_tokens.tolist(), r.bonus_token) == [3, 4, 5]
+    drafts = [3, 4, 9]
+    qs = [SparseQ.point(x, 10) for x in drafts]
+    r = verify_draft(logits, drafts, qs, SamplingParams(temperature=0.0), torch.zeros(4))
+    n = accepted_count(r.p_draft, r.q_draft, [0.0, 0.0, 0.0])
+    assert n == 2 and r.q_draft == [1.0, 1.0, 1.0]
+    assert step_tokens(drafts, n, r.residual_tokens, r.bonus_token) == [3, 4, 5]
 
 
 # ---- statistical: one whole step, many times, in-process -------------------------------
 
 
-def _simulate(p_rows, q_rows, n_samples, seed, broken=False):
-    """Tokens at positions 1 and 2 from n_samples one-step speculations with gamma = 2.
+def _dense_q(q: torch.Tensor) -> SparseQ:
+    """q as an untruncated SparseQ at 30 bits (the draft's exact proposal)."""
+    return quantize(np.arange(q.shape[0]), q.numpy(), q.shape[0], eps=0.0, bits=30, keep_tail=False)
 
-    p_rows: [vocab, vocab] p at position 2 given x_1 (row), plus p1: [vocab] at index -1.
+
+def _simulate(p_rows, q_rows, n_samples, seed, broken=False):
+    """Tokens at position 1 from n_samples one-step speculations with gamma = 2.
+
+    p_rows: (p1 [vocab], p2 given x1 [vocab, vocab]); q_rows likewise.
     """
     p1, p2_given = p_rows
     q1, q2_given = q_rows
-    vocab = p1.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    x1 = torch.multinomial(q1.expand(n_samples, vocab), 1, generator=g).squeeze(-1)
-    x2 = torch.multinomial(q2_given[x1], 1, generator=g).squeeze(-1)
+    g = generator(seed)
+    q1s = _dense_q(q1)
+    q2s = [_dense_q(row) for row in q2_given]
     orig = sampling.residual_distribution
     if broken:  # the classic bug: resample from p on rejection
         sampling.residual_distribution = lambda p, q: p
     try:
-        first, second = [], []
-        for i in range(n_samples):
-            drafts = torch.stack([x1[i], x2[i]])
-            logits = torch.stack([p1, p2_given[x1[i]], p1]).log()
-            q = torch.stack([q1, q2_given[x1[i]]])
-            r = verify_draft(logits, drafts, q, SamplingParams(1.0), g)
-            u = torch.rand(2, generator=g, dtype=torch.float64)
-            n = accepted_count(r.p_draft, q[torch.arange(2), drafts], u)
-            out = step_tokens(drafts.tolist(), n, r.residual_tokens.tolist(), r.bonus_token)
+        first = []
+        for _ in range(n_samples):
+            x1 = q1s.sample(g)
+            x2 = q2s[x1].sample(g)
+            logits = torch.stack([p1, p2_given[x1], p1]).log()
+            r = verify_draft(
+                logits, [x1, x2], [q1s, q2s[x1]], SamplingParams(1.0), torch.from_numpy(g.random(3))
+            )
+            n = accepted_count(r.p_draft, r.q_draft, g.random(2).tolist())
+            out = step_tokens([x1, x2], n, r.residual_tokens, r.bonus_token)
             first.append(out[0])
-            if len(out) > 1:
-                second.append((out[0], out[1]))
     finally:
         sampling.residual_distribution = orig
     return torch.tensor(first)

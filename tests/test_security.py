@@ -316,8 +316,8 @@ def test_trust_remote_code_is_off_by_default():
 
 def test_load_model_prefers_safetensors_over_pickles(tmp_path, llama_pair, monkeypatch):
     """A directory with both formats loads the safetensors weights, asked for explicitly."""
-    import specdec.model as model_mod
-    from specdec.model import load_model
+    import specdec.runtime.loading as model_mod
+    from specdec.runtime.loading import load_model
 
     src = llama_pair[1]
     both = tmp_path / "both"
@@ -348,7 +348,7 @@ def test_load_model_prefers_safetensors_over_pickles(tmp_path, llama_pair, monke
 def test_model_code_is_never_run_unless_trusted(tmp_path, llama_pair):
     """A model directory that ships code (auto_map) loads with the library's own class,
     and the shipped code is never imported."""
-    from specdec.model import load_model
+    from specdec.runtime.loading import load_model
 
     d = tmp_path / "shipped-code"
     shutil.copytree(llama_pair[1], d)

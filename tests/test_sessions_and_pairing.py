@@ -1,39 +1,34 @@
-"""Session store limits and TTL; the orchestrator refuses a mismatched pair."""
+"""Session store limits; the orchestrator refuses a mismatched pair."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 
-from draft_service.server import serve as serve_draft
+from draft_service.servicer import serve as serve_draft
 from orchestrator.engine import Orchestrator
 from specdec.config import Config, ModelServiceConfig
-from specdec.errors import FailedPrecondition, NotFound, ResourceExhausted
-from specdec.model import KVSession
-from specdec.sessions import SessionStore
-from target_service.server import serve as serve_target
+from specdec.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from specdec.sampling import SamplingParams
+from specdec.sessions import Session, SessionStore
+from target_service.servicer import serve as serve_target
 
 from .tiny import build_model
 
 
-def _session(sid: str, last_used: float) -> KVSession:
-    return KVSession(sid, cache=None, last_used=last_used)
-
-
-def test_store_limit_and_ttl():
-    store = SessionStore("draft", max_sessions=2, ttl_s=10.0)
-    now = time.monotonic()
-    store.add(_session("a", last_used=now))
-    store.add(_session("b", last_used=now + 1e6))
+def test_store_limit_and_ids():
+    store = SessionStore("draft", max_sessions=2)
+    a, b = Session("a", SamplingParams()), Session("b", SamplingParams())
+    store.add(a)
+    store.add(b)
     with pytest.raises(ResourceExhausted, match="sessions: the limit of 2"):
-        store.add(_session("c", last_used=now + 1e6))
-    assert store.expire(now=now + 100.0) == 1  # "a" was idle for 100 s > 10 s
-    with pytest.raises(NotFound, match="session_id"):
-        store.get("a")
-    store.add(_session("c", last_used=now + 1e6))
+        store.add(Session("c", SamplingParams()))
+    assert store.remove(a) and not store.remove(a)
+    with pytest.raises(AlreadyExists, match="session_id"):
+        store.add(Session("b", SamplingParams()))
+    store.add(Session("c", SamplingParams()))
     assert len(store) == 2
 
 

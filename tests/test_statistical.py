@@ -20,14 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.model import load_model
-from specdec.sampling import (
-    SamplingParams,
-    acceptance_rate,
-    draft_distribution,
-    probs_from_logits,
-    sparse_to_dense,
-)
+from specdec.runtime.loading import load_model
+from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits, sparse_q
 
 from .conftest import WIRE_TOP_K
 from .stack import local_stack
@@ -53,9 +47,8 @@ def exact(pair, params: SamplingParams, wire_top_k: int):
     p1 = probs_from_logits(tl[0, -2], params).double()  # [V]
     p2 = probs_from_logits(tl[:, -1], params).double()  # [V, V] row = x1
 
-    def q_of(logits):
-        ids, probs = draft_distribution(logits, params, wire_top_k)
-        return sparse_to_dense(ids, probs.double(), vocab)
+    def q_of(logits):  # exactly the proposal the draft service samples from and sends
+        return sparse_q(logits, params, wire_top_k, eps=0.0).dense()
 
     q1 = q_of(dl[0, -2])
     q2 = torch.stack([q_of(dl[x, -1]) for x in range(vocab)])

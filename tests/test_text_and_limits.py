@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.text import TextStream
-from specdec.model import load_tokenizer
+from specdec.runtime.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"0\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xc8\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x16\n\x0eserver_version\x18\t \x01(\t\"\r\n\x0bInfoRequest\"8\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"(\n\x13OpenSessionResponse\x12\x11\n\tcache_len\x18\x01 \x01(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcache_len\x18\x02 \x01(\x05\"6\n\x10RollbackResponse\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x0f\n\x07removed\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"\x83\x01\n\x07PackedQ\x12\r\n\x05sizes\x18\x01 \x03(\r\x12\x11\n\tid_deltas\x18\x02 \x01(\x0c\x12\x12\n\nid_escapes\x18\x03 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x04 \x01(\x0c\x12\x15\n\rcount_escapes\x18\x05 \x03(\r\x12\r\n\x05tails\x18\x06 \x03(\r\x12\x0c\n\x04\x62its\x18\x07 \x01(\r\"\x94\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x16\n\x0eserver_version\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x0c \x01(\t\"\r\n\x0bInfoRequest\"\x96\x01\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nwire_top_k\x18\x04 \x01(\x05\x12\x10\n\x08wire_eps\x18\x05 \x01(\x02\x12\x11\n\twire_bits\x18\x06 \x01(\x05\"\"\n\rSessionOpened\x12\x11\n\tcache_len\x18\x01 \x01(\x05\"\x1d\n\x08Rollback\x12\x11\n\tcache_len\x18\x01 \x01(\x05\"0\n\nRolledBack\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x0f\n\x07removed\x18\x02 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=39
   _globals['_SAMPLINGPARAMS']._serialized_end=106
-  _globals['_DISTRIBUTION']._serialized_start=108
-  _globals['_DISTRIBUTION']._serialized_end=156
-  _globals['_MODELINFO']._serialized_start=159
-  _globals['_MODELINFO']._serialized_end=359
-  _globals['_INFOREQUEST']._serialized_start=361
-  _globals['_INFOREQUEST']._serialized_end=374
-  _globals['_OPENSESSIONREQUEST']._serialized_start=376
-  _globals['_OPENSESSIONREQUEST']._serialized_end=432
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=434
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=474
-  _globals['_ROLLBACKREQUEST']._serialized_start=476
-  _globals['_ROLLBACKREQUEST']._serialized_end=532
-  _globals['_ROLLBACKRESPONSE']._serialized_start=534
-  _globals['_ROLLBACKRESPONSE']._serialized_end=588
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=590
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=631
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=633
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=672
+  _globals['_PACKEDQ']._serialized_start=109
+  _globals['_PACKEDQ']._serialized_end=240
+  _globals['_MODELINFO']._serialized_start=243
+  _globals['_MODELINFO']._serialized_end=519
+  _globals['_INFOREQUEST']._serialized_start=521
+  _globals['_INFOREQUEST']._serialized_end=534
+  _globals['_OPENSESSION']._serialized_start=537
+  _globals['_OPENSESSION']._serialized_end=687
+  _globals['_SESSIONOPENED']._serialized_start=689
+  _globals['_SESSIONOPENED']._serialized_end=723
+  _globals['_ROLLBACK']._serialized_start=725
+  _globals['_ROLLBACK']._serialized_end=754
+  _globals['_ROLLEDBACK']._serialized_start=756
+  _globals['_ROLLEDBACK']._serialized_end=804
 # @@protoc_insertion_point(module_scope)

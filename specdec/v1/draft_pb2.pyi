@@ -7,32 +7,50 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "cache_len", "append_tokens", "gamma", "params", "seed", "wire_top_k")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+class DraftRequest(_message.Message):
+    __slots__ = ("open", "propose", "rollback")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    open: _common_pb2.OpenSession
+    propose: Propose
+    rollback: _common_pb2.Rollback
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., propose: _Optional[_Union[Propose, _Mapping]] = ..., rollback: _Optional[_Union[_common_pb2.Rollback, _Mapping]] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("opened", "proposal", "rolled_back")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    opened: _common_pb2.SessionOpened
+    proposal: Proposal
+    rolled_back: _common_pb2.RolledBack
+    def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
+
+class Propose(_message.Message):
+    __slots__ = ("cache_len", "append_tokens", "gamma", "seed")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    WIRE_TOP_K_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
     cache_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
-    params: _common_pb2.SamplingParams
     seed: int
-    wire_top_k: int
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., wire_top_k: _Optional[int] = ...) -> None: ...
+    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class DraftToken(_message.Message):
-    __slots__ = ("index", "token_id", "q", "cache_len")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+class Proposal(_message.Message):
+    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    token_id: int
-    q: _common_pb2.Distribution
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: _common_pb2.PackedQ
     cache_len: int
-    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Distribution, _Mapping]] = ..., cache_len: _Optional[int] = ...) -> None: ...
+    compute_s: float
+    forward_s: float
+    batch_tokens: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ...) -> None: ...

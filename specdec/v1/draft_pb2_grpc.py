@@ -36,25 +36,10 @@ class DraftServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/specdec.v1.DraftService/OpenSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Propose = channel.unary_stream(
-                '/specdec.v1.DraftService/Propose',
-                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_draft__pb2.DraftToken.FromString,
-                _registered_method=True)
-        self.Rollback = channel.unary_unary(
-                '/specdec.v1.DraftService/Rollback',
-                request_serializer=specdec_dot_v1_dot_common__pb2.RollbackRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.RollbackResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/specdec.v1.DraftService/CloseSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+        self.Session = channel.stream_stream(
+                '/specdec.v1.DraftService/Session',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.DraftReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specdec.v1.DraftService/Info',
@@ -67,30 +52,20 @@ class DraftServiceServicer:
     """Runs the small draft model. Holds one KV cache per session.
     """
 
-    def OpenSession(self, request, context):
-        """Create a session and prefill its cache.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+    def Session(self, request_iterator, context):
+        """One session, for as long as the stream lives: the first message must be
+        `open`; then each `propose` is answered by one `proposal`, each
+        `rollback` by `rolled_back`. Closing the stream (or cancelling it)
+        frees the session at once; an idle stream is ended after the service's
+        session_ttl_s. A bad message ends the stream with a status naming the
+        field (INVALID_ARGUMENT, FAILED_PRECONDITION for a cache length the
+        session does not have).
 
-    def Propose(self, request, context):
-        """Extend the cache with `append_tokens`, then draft `gamma` tokens, streaming
-        each one with its proposal distribution q as soon as it exists.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Rollback(self, request, context):
-        """Truncate the session's cache to a length.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Free the session.
+        A step's gamma tokens come back in one `proposal` message rather than
+        streamed token by token: the target verifies a whole draft in one pass,
+        so early tokens have nothing to do before the last one exists, and each
+        streamed message cost about 0.2 ms of gRPC work on both ends (measured;
+        docs/benchmarks.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,25 +81,10 @@ class DraftServiceServicer:
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Propose': grpc.unary_stream_rpc_method_handler(
-                    servicer.Propose,
-                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_draft__pb2.DraftToken.SerializeToString,
-            ),
-            'Rollback': grpc.unary_unary_rpc_method_handler(
-                    servicer.Rollback,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.RollbackRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.RollbackResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.DraftRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.DraftReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -144,7 +104,7 @@ class DraftService:
     """
 
     @staticmethod
-    def OpenSession(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -154,93 +114,12 @@ class DraftService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/specdec.v1.DraftService/OpenSession',
-            specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Propose(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/specdec.v1.DraftService/Propose',
-            specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
-            specdec_dot_v1_dot_draft__pb2.DraftToken.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Rollback(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.DraftService/Rollback',
-            specdec_dot_v1_dot_common__pb2.RollbackRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.RollbackResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.DraftService/CloseSession',
-            specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+            '/specdec.v1.DraftService/Session',
+            specdec_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.DraftReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\"\xa6\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x0b \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x12\n\x05gamma\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\r\n\x05\x64\x65nse\x18\n \x01(\x08\x42\x08\n\x06promptB\x08\n\x06_gammaB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"l\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.specdec.v1.ChunkH\x00\x12,\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.GenerationStatsH\x00\x42\x06\n\x04kind\"(\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xfa\x02\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\x08 \x01(\x02\x12\x19\n\x11tokens_per_second\x18\t \x01(\x02\x12\x14\n\x0ctotal_time_s\x18\n \x01(\x02\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\r\n\x05gamma\x18\x0c \x01(\x05\x12\x1c\n\x14wire_bytes_per_token\x18\r \x01(\x02\x12\x13\n\x0bround_trips\x18\x0e \x01(\x05\x12\x16\n\x0e\x66\x61llback_steps\x18\x0f \x01(\x05\"\x19\n\x17OrchestratorInfoRequest\"\xcc\x01\n\x10OrchestratorInfo\x12\x16\n\x0e\x64raft_model_id\x18\x01 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rdefault_gamma\x18\x04 \x01(\x05\x12\x11\n\tmax_gamma\x18\x05 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x07 \x01(\x05\x12\x16\n\x0eserver_version\x18\x08 \x01(\t2\xa2\x01\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12I\n\x04Info\x12#.specdec.v1.OrchestratorInfoRequest\x1a\x1c.specdec.v1.OrchestratorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\"\xc8\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x0b \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x12\n\x05gamma\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\r\n\x05\x64\x65nse\x18\n \x01(\x08\x12\x14\n\x07overlap\x18\x0c \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\x08\n\x06_gammaB\x07\n\x05_seedB\n\n\x08_overlap\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"l\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.specdec.v1.ChunkH\x00\x12,\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.GenerationStatsH\x00\x42\x06\n\x04kind\"(\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x95\x04\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\x08 \x01(\x02\x12\x19\n\x11tokens_per_second\x18\t \x01(\x02\x12\x14\n\x0ctotal_time_s\x18\n \x01(\x02\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\r\n\x05gamma\x18\x0c \x01(\x05\x12\x1c\n\x14wire_bytes_per_token\x18\r \x01(\x02\x12\x13\n\x0bround_trips\x18\x0e \x01(\x05\x12\x16\n\x0e\x66\x61llback_steps\x18\x0f \x01(\x05\x12\x10\n\x08\x61\x64\x61ptive\x18\x10 \x01(\x08\x12\x12\n\nmean_gamma\x18\x11 \x01(\x02\x12\x18\n\x10overlapped_steps\x18\x12 \x01(\x05\x12\x15\n\rjudged_tokens\x18\x13 \x01(\x05\x12\x0f\n\x07steps_s\x18\x14 \x01(\x02\x12\x17\n\x0f\x64raft_forward_s\x18\x15 \x01(\x02\x12\x18\n\x10target_forward_s\x18\x16 \x01(\x02\"\x19\n\x17OrchestratorInfoRequest\"\xcc\x01\n\x10OrchestratorInfo\x12\x16\n\x0e\x64raft_model_id\x18\x01 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rdefault_gamma\x18\x04 \x01(\x05\x12\x11\n\tmax_gamma\x18\x05 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x07 \x01(\x05\x12\x16\n\x0eserver_version\x18\x08 \x01(\t2\xa2\x01\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12I\n\x04Info\x12#.specdec.v1.OrchestratorInfoRequest\x1a\x1c.specdec.v1.OrchestratorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.orchestrator_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=46
-  _globals['_GENERATEREQUEST']._serialized_end=340
-  _globals['_TOKENIDS']._serialized_start=342
-  _globals['_TOKENIDS']._serialized_end=365
-  _globals['_CHATMESSAGES']._serialized_start=367
-  _globals['_CHATMESSAGES']._serialized_end=424
-  _globals['_CHATMESSAGE']._serialized_start=426
-  _globals['_CHATMESSAGE']._serialized_end=470
-  _globals['_GENERATERESPONSE']._serialized_start=472
-  _globals['_GENERATERESPONSE']._serialized_end=580
-  _globals['_CHUNK']._serialized_start=582
-  _globals['_CHUNK']._serialized_end=622
-  _globals['_GENERATIONSTATS']._serialized_start=625
-  _globals['_GENERATIONSTATS']._serialized_end=1003
-  _globals['_ORCHESTRATORINFOREQUEST']._serialized_start=1005
-  _globals['_ORCHESTRATORINFOREQUEST']._serialized_end=1030
-  _globals['_ORCHESTRATORINFO']._serialized_start=1033
-  _globals['_ORCHESTRATORINFO']._serialized_end=1237
-  _globals['_ORCHESTRATOR']._serialized_start=1240
-  _globals['_ORCHESTRATOR']._serialized_end=1402
+  _globals['_GENERATEREQUEST']._serialized_end=374
+  _globals['_TOKENIDS']._serialized_start=376
+  _globals['_TOKENIDS']._serialized_end=399
+  _globals['_CHATMESSAGES']._serialized_start=401
+  _globals['_CHATMESSAGES']._serialized_end=458
+  _globals['_CHATMESSAGE']._serialized_start=460
+  _globals['_CHATMESSAGE']._serialized_end=504
+  _globals['_GENERATERESPONSE']._serialized_start=506
+  _globals['_GENERATERESPONSE']._serialized_end=614
+  _globals['_CHUNK']._serialized_start=616
+  _globals['_CHUNK']._serialized_end=656
+  _globals['_GENERATIONSTATS']._serialized_start=659
+  _globals['_GENERATIONSTATS']._serialized_end=1192
+  _globals['_ORCHESTRATORINFOREQUEST']._serialized_start=1194
+  _globals['_ORCHESTRATORINFOREQUEST']._serialized_end=1219
+  _globals['_ORCHESTRATORINFO']._serialized_start=1222
+  _globals['_ORCHESTRATORINFO']._serialized_end=1426
+  _globals['_ORCHESTRATOR']._serialized_start=1429
+  _globals['_ORCHESTRATOR']._serialized_end=1591
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "gamma", "stop", "seed", "dense")
+    __slots__ = ("text", "token_ids", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "gamma", "stop", "seed", "dense", "overlap")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     messages: ChatMessages
@@ -30,7 +31,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     dense: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., dense: _Optional[bool] = ...) -> None: ...
+    overlap: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., dense: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -69,7 +71,7 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "time_to_first_token_s", "tokens_per_second", "total_time_s", "finish_reason", "gamma", "wire_bytes_per_token", "round_trips", "fallback_steps")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "time_to_first_token_s", "tokens_per_second", "total_time_s", "finish_reason", "gamma", "wire_bytes_per_token", "round_trips", "fallback_steps", "adaptive", "mean_gamma", "overlapped_steps", "judged_tokens", "steps_s", "draft_forward_s", "target_forward_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,13 @@ class GenerationStats(_message.Message):
     WIRE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_TRIPS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     steps: int
@@ -100,7 +109,14 @@ class GenerationStats(_message.Message):
     wire_bytes_per_token: float
     round_trips: int
     fallback_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_time_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., wire_bytes_per_token: _Optional[float] = ..., round_trips: _Optional[int] = ..., fallback_steps: _Optional[int] = ...) -> None: ...
+    adaptive: bool
+    mean_gamma: float
+    overlapped_steps: int
+    judged_tokens: int
+    steps_s: float
+    draft_forward_s: float
+    target_forward_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_time_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., wire_bytes_per_token: _Optional[float] = ..., round_trips: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., adaptive: _Optional[bool] = ..., mean_gamma: _Optional[float] = ..., overlapped_steps: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., steps_s: _Optional[float] = ..., draft_forward_s: _Optional[float] = ..., target_forward_s: _Optional[float] = ...) -> None: ...
 
 class OrchestratorInfoRequest(_message.Message):
     __slots__ = ()

@@ -25,17 +25,21 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe1\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcache_len\x18\x02 \x01(\x05\x12\x16\n\x0epending_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12)\n\x07\x64raft_q\x18\x05 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x16\n\x0ereturn_dense_p\x18\x08 \x01(\x08\"\x8d\x01\n\x0eVerifyResponse\x12\x0f\n\x07p_draft\x18\x01 \x03(\x02\x12\x17\n\x0fresidual_tokens\x18\x02 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x03 \x01(\x05\x12\x11\n\tcache_len\x18\x04 \x01(\x05\x12)\n\x07\x64\x65nse_p\x18\x05 \x03(\x0b\x32\x18.specdec.v1.Distribution2\xf2\x02\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x45\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x1c.specdec.v1.RollbackResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x90\x01\n\rTargetRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specdec.v1.OpenSessionH\x00\x12$\n\x06verify\x18\x02 \x01(\x0b\x32\x12.specdec.v1.VerifyH\x00\x12(\n\x08rollback\x18\x03 \x01(\x0b\x32\x14.specdec.v1.RollbackH\x00\x42\x06\n\x04kind\"\x99\x01\n\x0bTargetReply\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionOpenedH\x00\x12&\n\x07verdict\x18\x02 \x01(\x0b\x32\x13.specdec.v1.VerdictH\x00\x12-\n\x0brolled_back\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RolledBackH\x00\x42\x06\n\x04kind\"\xa9\x01\n\x06Verify\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x16\n\x0epending_tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12$\n\x07\x64raft_q\x18\x04 \x01(\x0b\x32\x13.specdec.v1.PackedQ\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0ereturn_dense_p\x18\x06 \x01(\x08\x12\x12\n\nreturn_pit\x18\x07 \x01(\x08\"\xda\x01\n\x07Verdict\x12\x0f\n\x07p_draft\x18\x01 \x03(\x02\x12\x0f\n\x07q_draft\x18\x02 \x03(\x01\x12\x17\n\x0fresidual_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x11\n\tcache_len\x18\x05 \x01(\x05\x12\x0f\n\x07\x64\x65nse_p\x18\x06 \x03(\x02\x12\x11\n\tcompute_s\x18\x07 \x01(\x02\x12\x11\n\tcdf_below\x18\x08 \x03(\x01\x12\x0c\n\x04p_at\x18\t \x03(\x01\x12\x11\n\tforward_s\x18\n \x01(\x02\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x05\x32\x8a\x01\n\rTargetService\x12\x41\n\x07Session\x12\x19.specdec.v1.TargetRequest\x1a\x17.specdec.v1.TargetReply(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYREQUEST']._serialized_start=65
-  _globals['_VERIFYREQUEST']._serialized_end=290
-  _globals['_VERIFYRESPONSE']._serialized_start=293
-  _globals['_VERIFYRESPONSE']._serialized_end=434
-  _globals['_TARGETSERVICE']._serialized_start=437
-  _globals['_TARGETSERVICE']._serialized_end=807
+  _globals['_TARGETREQUEST']._serialized_start=65
+  _globals['_TARGETREQUEST']._serialized_end=209
+  _globals['_TARGETREPLY']._serialized_start=212
+  _globals['_TARGETREPLY']._serialized_end=365
+  _globals['_VERIFY']._serialized_start=368
+  _globals['_VERIFY']._serialized_end=537
+  _globals['_VERDICT']._serialized_start=540
+  _globals['_VERDICT']._serialized_end=758
+  _globals['_TARGETSERVICE']._serialized_start=761
+  _globals['_TARGETSERVICE']._serialized_end=899
 # @@protoc_insertion_point(module_scope)

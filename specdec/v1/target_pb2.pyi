@@ -7,36 +7,66 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "cache_len", "pending_tokens", "draft_tokens", "draft_q", "params", "seed", "return_dense_p")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+class TargetRequest(_message.Message):
+    __slots__ = ("open", "verify", "rollback")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    open: _common_pb2.OpenSession
+    verify: Verify
+    rollback: _common_pb2.Rollback
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., rollback: _Optional[_Union[_common_pb2.Rollback, _Mapping]] = ...) -> None: ...
+
+class TargetReply(_message.Message):
+    __slots__ = ("opened", "verdict", "rolled_back")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    opened: _common_pb2.SessionOpened
+    verdict: Verdict
+    rolled_back: _common_pb2.RolledBack
+    def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_Q_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RETURN_DENSE_P_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
+    RETURN_PIT_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     pending_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    draft_q: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
-    params: _common_pb2.SamplingParams
+    draft_q: _common_pb2.PackedQ
     seed: int
     return_dense_p: bool
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ...) -> None: ...
+    return_pit: bool
+    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ...) -> None: ...
 
-class VerifyResponse(_message.Message):
-    __slots__ = ("p_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p")
+class Verdict(_message.Message):
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "cdf_below", "p_at", "forward_s", "batch_tokens")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     DENSE_P_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    CDF_BELOW_FIELD_NUMBER: _ClassVar[int]
+    P_AT_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     p_draft: _containers.RepeatedScalarFieldContainer[float]
+    q_draft: _containers.RepeatedScalarFieldContainer[float]
     residual_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     cache_len: int
-    dense_p: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ...) -> None: ...
+    dense_p: _containers.RepeatedScalarFieldContainer[float]
+    compute_s: float
+    cdf_below: _containers.RepeatedScalarFieldContainer[float]
+    p_at: _containers.RepeatedScalarFieldContainer[float]
+    forward_s: float
+    batch_tokens: int
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., cdf_below: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ...) -> None: ...

@@ -36,25 +36,10 @@ class TargetServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/specdec.v1.TargetService/OpenSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/specdec.v1.TargetService/Verify',
-                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
-                _registered_method=True)
-        self.Rollback = channel.unary_unary(
-                '/specdec.v1.TargetService/Rollback',
-                request_serializer=specdec_dot_v1_dot_common__pb2.RollbackRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.RollbackResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/specdec.v1.TargetService/CloseSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+        self.Session = channel.stream_stream(
+                '/specdec.v1.TargetService/Session',
+                request_serializer=specdec_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.TargetReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specdec.v1.TargetService/Info',
@@ -67,32 +52,12 @@ class TargetServiceServicer:
     """Runs the large target model. Holds one KV cache per session.
     """
 
-    def OpenSession(self, request, context):
-        """Create a session and prefill its cache.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Verify(self, request, context):
-        """One forward pass over `pending_tokens` followed by the drafted tokens.
-        Returns, per drafted position i, p_i(x_i) and a token drawn from the
-        residual norm(max(0, p_i - q_i)), and one bonus token drawn from p at the
-        position after the last draft. The caller decides acceptance.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Rollback(self, request, context):
-        """Truncate the session's cache to a length.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Free the session.
+    def Session(self, request_iterator, context):
+        """One session, for as long as the stream lives: the first message must be
+        `open`; then each `verify` is answered by one `verdict`, each `rollback`
+        by `rolled_back`. Closing or cancelling the stream frees the session at
+        once; an idle stream is ended after session_ttl_s. A bad message ends the
+        stream with a status naming the field.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,25 +73,10 @@ class TargetServiceServicer:
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
-            ),
-            'Rollback': grpc.unary_unary_rpc_method_handler(
-                    servicer.Rollback,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.RollbackRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.RollbackResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.TargetRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.TargetReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -146,7 +96,7 @@ class TargetService:
     """
 
     @staticmethod
-    def OpenSession(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -156,93 +106,12 @@ class TargetService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/specdec.v1.TargetService/OpenSession',
-            specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Verify(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.TargetService/Verify',
-            specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-            specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Rollback(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.TargetService/Rollback',
-            specdec_dot_v1_dot_common__pb2.RollbackRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.RollbackResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.TargetService/CloseSession',
-            specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+            '/specdec.v1.TargetService/Session',
+            specdec_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.TargetReply.FromString,
             options,
             channel_credentials,
             insecure,

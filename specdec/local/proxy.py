@@ -1,9 +1,8 @@
-"""A user-space TCP proxy that injects network faults between two services.
+"""The one user-space TCP proxy for network delay and faults, used by the tests
+and the benchmarks (the kernel here has no netem).
 
-The kernel of the test machines has no netem, so faults are made here: the
-proxy listens on a free loopback port, forwards every connection to one
-upstream address, and its mode can be switched at run time from the test's
-thread:
+The proxy listens on a free loopback port, forwards every connection to one
+upstream address, and its mode can be switched at run time from any thread:
 
 - ``pass_through()``: bytes are forwarded as they arrive;
 - ``delay(seconds, direction)``: every chunk is held for a fixed time before
@@ -15,7 +14,10 @@ thread:
 - ``drop()``: every open connection is reset and new ones are reset as soon
   as they are accepted (the peer sees a refused / reset connection).
 
-The proxy runs an asyncio loop on its own daemon thread.
+The proxy runs an asyncio loop on its own daemon thread. An added
+round-trip time of R ms is ``delay(R / 2000)`` (half each way); chunks keep
+their order and are not rate-limited: it models latency, not bandwidth.
+``ProxyGroup`` sets one RTT on several routes at once (the benchmarks' sweep).
 
     with FaultProxy("127.0.0.1", 50051) as proxy:
         address = proxy.address        # give this to the client
@@ -246,3 +248,29 @@ class FaultProxy:
             await conn.run()
         finally:
             self._connections.discard(conn)
+
+
+class ProxyGroup:
+    """Several proxies whose added round-trip time is set together."""
+
+    def __init__(self) -> None:
+        self.proxies: list[FaultProxy] = []
+
+    def add(self, address: str) -> str:
+        """Start a proxy in front of ``host:port``; returns the address to use instead."""
+        host, port = address.rsplit(":", 1)
+        proxy = FaultProxy(host, int(port)).start()
+        self.proxies.append(proxy)
+        return proxy.address
+
+    def set_rtt_ms(self, rtt_ms: float) -> None:
+        for proxy in self.proxies:
+            if rtt_ms > 0:
+                proxy.delay(rtt_ms / 2000.0)
+            else:
+                proxy.pass_through()
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.stop()
+        self.proxies.clear()

@@ -1,4 +1,4 @@
-"""gRPC server plumbing shared by the three services.
+"""gRPC server plumbing shared by every service.
 
 A server gets: the standard health service (``grpc.health.v1``), reflection,
 one interceptor that maps domain exceptions to status codes and times every
@@ -26,7 +26,9 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import metrics
 from specdec.config import TlsConfig
-from specdec.errors import SpecdecError
+from specdec.errors import InvalidArgument, SpecdecError
+
+from .status import code_of
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +58,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     grpc.StatusCode.UNAUTHENTICATED,
                     "authorization: missing or invalid bearer token",
                 )
+        parse = _lenient(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                self._wrap_stream(handler.unary_stream, method, streaming_request=False),
+                request_deserializer=parse,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(handler.stream_stream, method, streaming_request=True),
+                request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -82,7 +91,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _status_of(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
         """The status an exception from a servicer maps to."""
         if isinstance(e, SpecdecError):
-            return e.code, str(e)
+            return code_of(e), str(e)
         if isinstance(e, grpc.aio.AioRpcError):  # a call to another service failed
             return grpc.StatusCode.UNAVAILABLE, f"upstream: {e.code().name}: {e.details()}"
         log.exception("%s/%s failed", self.service, method)
@@ -92,7 +101,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapper(request, context):
             start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
-                return await behavior(request, context)
+                return await behavior(_parsed(request), context)
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
@@ -107,10 +116,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapper
 
-    def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
+    def _wrap_stream(self, behavior: Callable, method: str, streaming_request: bool) -> Callable:
         async def wrapper(request, context):
             start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
+                request = _parsed_stream(request) if streaming_request else _parsed(request)
                 async for item in behavior(request, context):
                     yield item
             except (asyncio.CancelledError, GeneratorExit):
@@ -128,7 +138,49 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
 
+class _Unparsable:
+    """What a request that does not parse becomes, so that the RPC can answer
+    INVALID_ARGUMENT. (grpcio answers a deserializer's exception itself: UNKNOWN
+    for a unary request, and the error surfaces as INTERNAL from a stream.)"""
+
+    def __init__(self, error: Exception, size: int) -> None:
+        self.error = InvalidArgument(
+            "request",
+            f"a message of {size} bytes does not parse as the method's request type "
+            f"({type(error).__name__}: {error}); send a serialized protobuf message",
+        )
+
+
+def _lenient(deserializer: Callable | None) -> Callable | None:
+    """``deserializer``, returning an ``_Unparsable`` instead of raising."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:
+            return _Unparsable(e, len(data))
+
+    return parse
+
+
+def _parsed(request):
+    """The request, or InvalidArgument naming ``request`` if it did not parse."""
+    if isinstance(request, _Unparsable):
+        raise request.error
+    return request
+
+
+async def _parsed_stream(requests):
+    """The stream of requests, ending with InvalidArgument at one that did not parse."""
+    async for request in requests:
+        yield _parsed(request)
+
+
 def _abort_handler(handler, code: grpc.StatusCode, message: str):
+    parse = _lenient(handler.request_deserializer)  # refused whether or not it parses
+
     async def deny_unary(request, context):
         await context.abort(code, message)
 
@@ -136,15 +188,21 @@ def _abort_handler(handler, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(
+            deny_stream,
+            request_deserializer=parse,
+            response_serializer=handler.response_serializer,
+        )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
             deny_stream,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     return grpc.unary_unary_rpc_method_handler(
         deny_unary,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=parse,
         response_serializer=handler.response_serializer,
     )
 
@@ -159,33 +217,6 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
-
-
-def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
-    """TLS for a client; cert/key are presented for mutual TLS."""
-    if not tls.enabled:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(tls.ca).read_bytes() if tls.ca else None,
-        private_key=Path(tls.key).read_bytes() if tls.key else None,
-        certificate_chain=Path(tls.cert).read_bytes() if tls.cert else None,
-    )
-
-
-def open_channel(address: str, tls: TlsConfig, max_message_bytes: int) -> grpc.aio.Channel:
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.enable_retries", 0),
-        # Reconnect quickly to a restarted service (gRPC's default backs off to 120 s).
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
-    creds = channel_credentials(tls)
-    if creds is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 @dataclass

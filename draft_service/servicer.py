@@ -1,0 +1,75 @@
+"""The draft service's gRPC edge: protobuf in, one domain call, protobuf out."""
+
+from __future__ import annotations
+
+from specdec.config import ModelServiceConfig
+from specdec.errors import InvalidArgument
+from specdec.transport.server import RunningServer, start_server
+from specdec.transport.session_stream import session_stream
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.wire import DEFAULT_Q_BITS, WireShape, info_to_pb, pack_q, params_from_pb
+
+from .drafter import Drafter
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, svc: Drafter) -> None:
+        self.svc = svc
+
+    async def Session(self, requests, context):
+        async for reply in session_stream(
+            self.svc, requests, self.svc.cfg.session_ttl_s, self._open, self._step
+        ):
+            yield reply
+
+    async def _open(self, m: common_pb2.OpenSession):
+        shape = WireShape(m.wire_top_k, float(m.wire_eps), m.wire_bits or DEFAULT_Q_BITS)
+        session = await self.svc.open_draft(m.session_id, m.tokens, params_from_pb(m.params), shape)
+        return session, draft_pb2.DraftReply(
+            opened=common_pb2.SessionOpened(cache_len=session.length)
+        )
+
+    async def _step(self, session, kind: str, m: draft_pb2.DraftRequest):
+        if kind == "propose":
+            p = m.propose
+            proposal = await self.svc.propose(
+                session, p.cache_len, p.append_tokens, p.gamma, p.seed
+            )
+            return draft_pb2.DraftReply(
+                proposal=draft_pb2.Proposal(
+                    tokens=proposal.tokens,
+                    q=pack_q(proposal.qs),
+                    cache_len=proposal.cache_len,
+                    compute_s=proposal.compute_s,
+                    forward_s=proposal.forward_s,
+                    batch_tokens=proposal.batch_tokens,
+                )
+            )
+        if kind == "rollback":
+            removed = self.svc.rollback(session, m.rollback.cache_len)
+            return draft_pb2.DraftReply(
+                rolled_back=common_pb2.RolledBack(cache_len=session.length, removed=removed)
+            )
+        raise InvalidArgument("kind", "a draft session takes open, propose or rollback")
+
+    async def Info(self, request, context):
+        return info_to_pb(self.svc.info)
+
+
+async def serve(
+    cfg: ModelServiceConfig, model=None, tokenizer=None
+) -> tuple[RunningServer, Drafter]:
+    """Load the draft model and start its server; returns (server, domain)."""
+    svc = Drafter(cfg, model, tokenizer)
+    svc.start()
+    running = await start_server(
+        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(svc), s),
+        [SERVICE_NAME],
+        cfg.host,
+        cfg.port,
+        "draft",
+        cfg.tls,
+    )
+    return running, svc

@@ -1,0 +1,212 @@
+"""Choosing gamma, and whether to draft ahead, at every step: the seed's cost
+model fed with what the orchestrator measures.
+
+A step drafting g tokens emits on average E(a, g) = (1 - a^(g+1)) / (1 - a)
+tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
+
+* sequential: R_d + g d + R_t + V(g)
+* overlapped (the draft drafts the next block while the target verifies this
+  one, as if every draft will be accepted; that block is used with
+  probability a^g): R_t + V(g) + (1 - a^g)(R_d + g d) + a^g max(0, R_d + g d - R_t - V(g))
+* plain decoding (g = 0): R_t + V(0) per token,
+
+where R_d, R_t are the round trips to each service beyond its compute
+(network, gRPC), d the draft's time per drafted token and V(g) the target's
+time to verify g drafts. Nobody configures any of these: every reply carries
+the service's compute time, its forward pass's time and the tokens that pass
+carried for all sessions together; the orchestrator times the call.
+
+**Under load, less speculation.** A forward pass costs about a + b * tokens
+(the fixed cost of reading the weights, plus the per-token work), fitted
+online. When N sessions share the target's passes (measured from the passes'
+token counts), every one of them verifying g + 1 tokens makes a pass cost
+a + b N (g + 1): each extra drafted token costs every session b. Choosing g
+with that cost makes the chosen gamma fall as batches grow, down to plain
+decoding when rejected tokens would cost more batch compute than accepted
+ones save; with one session it is the single-request model.
+
+Estimates are exponentially weighted. A request's acceptance rate is shrunk
+toward the pool's. While plain decoding wins, a step drafts now and then anyway
+so that the estimates stay current.
+Not for: running steps (``orchestrator.engine``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec import metrics
+from specdec.sampling import expected_tokens_per_step
+
+_SMOOTH = 0.1  # weight of a new observation
+_FORGET = 0.98  # per observation, in the line fits
+_PRIOR_TOKENS = 16.0  # judged drafts' worth of the pool's acceptance rate in a request's
+_EXPLORE_EVERY = 32  # plain steps between two drafting steps that refresh the estimates
+_PRIOR_SLOPE = 0.05  # a token costs this fraction of a pass's fixed cost until measured
+
+
+class _Ewma:
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.seen = False
+
+    def add(self, x: float) -> None:
+        self.value = x if not self.seen else self.value + _SMOOTH * (x - self.value)
+        self.seen = True
+
+
+class _Line:
+    """y = a + b x, least squares with exponential forgetting (and a prior slope
+    while x has not varied enough to tell)."""
+
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b = a, b
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        f = _FORGET
+        self._w = f * self._w + 1
+        self._x = f * self._x + x
+        self._y = f * self._y + y
+        self._xx = f * self._xx + x * x
+        self._xy = f * self._xy + x * y
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x**2
+        if var > 0.25:  # x has spread: fit the slope
+            self.b = max(0.0, (self._xy / self._w - mean_x * mean_y) / var)
+        else:
+            self.b = _PRIOR_SLOPE * max(mean_y, 1e-6)
+        self.a = max(1e-6, mean_y - self.b * mean_x)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+@dataclass
+class CostModel:
+    """The pool-wide estimates (one per orchestrator)."""
+
+    max_gamma: int = 16
+    alpha: _Ewma = field(default_factory=lambda: _Ewma(0.7))
+    # A forward pass's seconds as a line in the tokens it carries.
+    target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
+    draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
+    # Service time beyond the forward passes (sampling, packing, queueing).
+    target_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0002))
+    draft_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0001))  # per drafted token
+    rtt_draft_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
+    rtt_target_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
+    # Sessions sharing a pass (1: alone).
+    target_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
+    draft_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
+
+    # ---- observations ---------------------------------------------------------------
+    def observe_draft(
+        self, gamma: int, wall_s: float, compute_s: float, forward_s: float, batch_tokens: float
+    ) -> None:
+        if gamma <= 0 or compute_s <= 0:
+            return
+        if forward_s > 0 and batch_tokens > 0:
+            self.draft_pass.add(batch_tokens, forward_s / gamma)
+            self.draft_sessions.add(max(1.0, batch_tokens))
+        self.draft_extra_s.add(max(0.0, compute_s - forward_s) / gamma)
+        self.rtt_draft_s.add(max(0.0, wall_s - compute_s))
+        metrics.ESTIMATE.labels("draft_token_seconds").set(self.draft_token_s())
+        metrics.ESTIMATE.labels("rtt_draft_seconds").set(self.rtt_draft_s.value)
+
+    def observe_verify(
+        self, gamma: int, wall_s: float, compute_s: float, forward_s: float, batch_tokens: int
+    ) -> None:
+        if compute_s <= 0:
+            return
+        own = gamma + 1
+        if forward_s > 0 and batch_tokens > 0:
+            self.target_pass.add(batch_tokens, forward_s)
+            self.target_sessions.add(max(1.0, batch_tokens / own))
+        self.target_extra_s.add(max(0.0, compute_s - forward_s))
+        self.rtt_target_s.add(max(0.0, wall_s - compute_s))
+        metrics.ESTIMATE.labels("rtt_target_seconds").set(self.rtt_target_s.value)
+        metrics.ESTIMATE.labels("verify_seconds_gamma0").set(self.verify_cost(0))
+        metrics.ESTIMATE.labels("verify_seconds_per_position").set(self.target_pass.b)
+        metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
+
+    def observe_acceptance(self, judged: int, accepted: int) -> None:
+        """A step's judged drafts (accepted ones plus the first rejected one)."""
+        if judged:
+            self.alpha.add(accepted / judged)
+            metrics.ESTIMATE.labels("alpha").set(self.alpha.value)
+
+    # ---- the model ----------------------------------------------------------------------
+    def draft_token_s(self) -> float:
+        """d: seconds per drafted token, with the draft's passes as shared as now."""
+        return self.draft_pass(self.draft_sessions.value) + self.draft_extra_s.value
+
+    def verify_cost(self, gamma: int) -> float:
+        """V(gamma): a pass in which every session sharing it verifies gamma drafts."""
+        tokens = self.target_sessions.value * (gamma + 1)
+        return self.target_pass(tokens) + self.target_extra_s.value
+
+    def step_cost(self, gamma: int, alpha: float, overlap: bool) -> float:
+        """Expected seconds of one step."""
+        verify = self.rtt_target_s.value + self.verify_cost(gamma)
+        if gamma == 0:
+            return verify
+        draft = self.rtt_draft_s.value + gamma * self.draft_token_s()
+        if not overlap:
+            return draft + verify
+        chained = alpha**gamma
+        return verify + (1 - chained) * draft + chained * max(0.0, draft - verify)
+
+    def rate(self, gamma: int, alpha: float, overlap: bool) -> float:
+        """Expected tokens per second of one request."""
+        tokens = expected_tokens_per_step(alpha, gamma) if gamma else 1.0
+        return tokens / self.step_cost(gamma, alpha, overlap)
+
+    def choose(self, alpha: float, limit: int, allow_overlap: bool) -> tuple[int, bool]:
+        """The (gamma, overlap) with the highest expected rate, gamma <= limit."""
+        best = (0, False)
+        best_rate = self.rate(0, alpha, False)
+        for gamma in range(1, min(limit, self.max_gamma) + 1):
+            for overlap in (False, True) if allow_overlap else (False,):
+                r = self.rate(gamma, alpha, overlap)
+                if r > best_rate * 1.0001:
+                    best, best_rate = (gamma, overlap), r
+        return best
+
+
+@dataclass
+class RequestPolicy:
+    """One request's choices: fixed (the request set gamma) or adaptive."""
+
+    model: CostModel
+    gamma: int | None  # fixed gamma, or None for adaptive
+    overlap: bool  # drafting ahead allowed (fixed mode: used whenever gamma > 0)
+    judged: int = 0  # drafts the target judged: accepted ones and first rejections
+    accepted: int = 0
+    plain_steps: int = 0
+
+    @property
+    def alpha(self) -> float:
+        """This request's acceptance rate (accepted / judged), shrunk toward the pool's."""
+        prior = self.model.alpha.value
+        return (self.accepted + _PRIOR_TOKENS * prior) / (self.judged + _PRIOR_TOKENS)
+
+    def choose(self, limit: int) -> tuple[int, bool]:
+        """gamma (<= limit) and whether to draft ahead, for the next step."""
+        if self.gamma is not None:
+            g = min(self.gamma, limit)
+            return g, self.overlap and g > 0
+        gamma, overlap = self.model.choose(self.alpha, limit, self.overlap)
+        if gamma == 0 and limit > 0:
+            self.plain_steps += 1
+            if self.plain_steps % _EXPLORE_EVERY == 0:
+                gamma = 1  # keep alpha and the draft's costs current
+        metrics.CHOSEN_GAMMA.observe(gamma)
+        return gamma, overlap
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A step drafted ``drafted`` tokens and the target accepted the first ``accepted``."""
+        judged = accepted + (accepted < drafted)
+        self.judged += judged
+        self.accepted += accepted
+        self.model.observe_acceptance(judged, accepted)

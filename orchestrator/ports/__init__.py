@@ -1,0 +1,95 @@
+"""How the engine reaches the draft and the target: two small ports.
+
+A port opens sessions; a session answers the calls of one request. The
+engine and the step see only these protocols and domain values (cursors,
+proposals, verdicts, ``specdec.errors``), never a transport:
+
+* ``orchestrator.ports.local``: the services' domain objects in this process
+  (unit tests in milliseconds; the benchmarks' "no network" reference);
+* ``orchestrator.ports.remote``: gRPC session streams to the services.
+
+Resilience (breakers, re-prefill, failover, fallback) wraps sessions in
+``orchestrator.resilience``; it is not part of a port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from specdec.runtime.loading import ModelInfo
+from specdec.sampling import Proposal, SamplingParams, Verdict
+from specdec.wire import WireShape
+
+from ..step import Cursor
+
+
+class WireCounter(Protocol):
+    """Where sessions report the bytes and round trips of their calls."""
+
+    def count(self, peer: str, sent: int, received: int) -> None: ...
+
+
+class DraftSession(Protocol):
+    """One request's session on a draft service."""
+
+    async def propose(
+        self, cursor: Cursor, gamma: int, seed: int, timeout: float | None
+    ) -> Proposal: ...
+
+    async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class TargetSession(Protocol):
+    """One request's session on a target service."""
+
+    async def verify(
+        self,
+        cursor: Cursor,
+        proposal: Proposal | None,
+        seed: int,
+        dense_p: bool,
+        timeout: float | None,
+        pit: bool = False,
+    ) -> Verdict: ...
+
+    async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class DraftPort(Protocol):
+    """A draft service (one replica)."""
+
+    async def info(self, timeout: float | None) -> ModelInfo: ...
+
+    async def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        shape: WireShape,
+        timeout: float | None,
+        counter: WireCounter | None = None,
+    ) -> DraftSession: ...
+
+    async def aclose(self) -> None: ...
+
+
+class TargetPort(Protocol):
+    """A target service (one replica)."""
+
+    async def info(self, timeout: float | None) -> ModelInfo: ...
+
+    async def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        timeout: float | None,
+        counter: WireCounter | None = None,
+    ) -> TargetSession: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,162 @@
+"""Ports to draft and target services living in this process (no network).
+
+They call the services' domain objects (``Drafter``, ``Verifier``) directly,
+with the same validation and the same forward loop as behind gRPC. The
+engine's unit tests run on them in milliseconds, and the benchmarks use them
+as the "no network" reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from draft_service.drafter import Drafter
+from specdec.errors import DeadlineExceeded
+from specdec.runtime.loading import ModelInfo
+from specdec.sampling import Proposal, SamplingParams, Verdict
+from specdec.sessions import Session
+from specdec.wire import WireShape, unpack_q
+from target_service.verifier import Verifier
+
+from ..step import Cursor
+
+
+@contextlib.asynccontextmanager
+async def _deadline(peer: str, timeout: float | None):
+    """asyncio's timeout as the domain's DeadlineExceeded (what the remote ports raise)."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    except TimeoutError:
+        raise DeadlineExceeded(f"{peer}: no answer within {timeout:.3g} s") from None
+
+
+class LocalDraftSession:
+    def __init__(self, svc: Drafter, session: Session) -> None:
+        self.svc, self.session = svc, session
+
+    async def propose(
+        self, cursor: Cursor, gamma: int, seed: int, timeout: float | None = None
+    ) -> Proposal:
+        async with _deadline("draft", timeout):
+            return await self.svc.propose(
+                self.session, cursor.cache_len, cursor.pending, gamma, seed
+            )
+
+    async def rollback(self, cache_len: int, timeout: float | None = None) -> int:
+        return self.svc.rollback(self.session, cache_len)
+
+    async def close(self) -> None:
+        self.svc.close(self.session)
+
+
+class LocalTargetSession:
+    def __init__(self, svc: Verifier, session: Session) -> None:
+        self.svc, self.session = svc, session
+
+    async def verify(
+        self,
+        cursor: Cursor,
+        proposal: Proposal | None,
+        seed: int,
+        dense_p: bool = False,
+        timeout: float | None = None,
+        pit: bool = False,
+    ) -> Verdict:
+        drafts = proposal.tokens if proposal else []
+        qs = []
+        if proposal is not None:
+            qs = proposal.qs
+            if qs is None:  # only the wire form is at hand
+                qs = unpack_q(proposal.packed, self.svc.vocab_size, drafts)
+        async with _deadline("target", timeout):
+            return await self.svc.verify(
+                self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p, pit
+            )
+
+    async def rollback(self, cache_len: int, timeout: float | None = None) -> int:
+        return self.svc.rollback(self.session, cache_len)
+
+    async def close(self) -> None:
+        self.svc.close(self.session)
+
+
+class LocalDraft:
+    """A draft service in this process."""
+
+    def __init__(self, svc: Drafter) -> None:
+        self.svc = svc
+
+    async def info(self, timeout: float | None = None) -> ModelInfo:
+        return self.svc.info
+
+    async def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        shape: WireShape,
+        timeout: float | None = None,
+        counter=None,
+    ) -> LocalDraftSession:
+        async with _deadline("draft", timeout):
+            session = await self.svc.open_draft(session_id, tokens, params, shape)
+        return LocalDraftSession(self.svc, session)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class LocalTarget:
+    """A target service in this process."""
+
+    def __init__(self, svc: Verifier) -> None:
+        self.svc = svc
+
+    async def info(self, timeout: float | None = None) -> ModelInfo:
+        return self.svc.info
+
+    async def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        timeout: float | None = None,
+        counter=None,
+    ) -> LocalTargetSession:
+        async with _deadline("target", timeout):
+            session = await self.svc.open(session_id, tokens, params)
+        return LocalTargetSession(self.svc, session)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def local_pools(
+    drafter: Drafter | None,
+    verifier: Verifier,
+    retry_after_s: float = 1.0,
+    retry_max_s: float = 30.0,
+):
+    """(target pool, draft pool) of in-process services, for ``Orchestrator``."""
+    from ..replicas import ReplicaPool, fixed
+
+    target = ReplicaPool(
+        "target",
+        "in-process",
+        lambda _: LocalTarget(verifier),
+        retry_after_s,
+        retry_max_s,
+        resolver=fixed("in-process"),
+    )
+    draft = ReplicaPool(
+        "draft",
+        "in-process",
+        lambda _: LocalDraft(drafter),
+        retry_after_s,
+        retry_max_s,
+        resolver=fixed("in-process") if drafter is not None else (lambda spec: []),
+    )
+    return target, draft

@@ -1,0 +1,230 @@
+"""Ports to draft and target services over gRPC: one bidirectional session
+stream per request and service.
+
+A call writes one message and reads its reply on the session's stream (about
+half the cost of a unary call here, and the session ends with the stream, so
+it cannot leak). Failed calls become domain errors
+(``specdec.transport.status.error_of``): the engine never sees a status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from specdec.errors import DeadlineExceeded, Unavailable
+from specdec.runtime.loading import ModelInfo
+from specdec.sampling import Proposal, SamplingParams, Verdict
+from specdec.transport.status import error_of
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire import WireShape, info_from_pb, pack_q, params_to_pb
+
+from ..step import Cursor
+from . import WireCounter
+
+
+class _Stream:
+    """One session stream: write a request, read its reply."""
+
+    def __init__(self, peer: str, call: Any, counter: WireCounter | None) -> None:
+        self.peer = peer
+        self.call = call
+        self.counter = counter
+
+    async def ask(self, request, timeout: float | None):
+        try:
+            async with asyncio.timeout(timeout):
+                await self.call.write(request)
+                reply = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            raise error_of(e, self.peer) from None
+        except TimeoutError:
+            self.call.cancel()
+            raise DeadlineExceeded(f"{self.peer}: no answer within {timeout:.3g} s") from None
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:  # the stream is over
+            raise Unavailable(f"{self.peer}: session stream closed ({e})") from None
+        if reply is grpc.aio.EOF:
+            code = await self.call.code()
+            raise Unavailable(f"{self.peer}: session stream ended ({code.name})")
+        if self.counter is not None:
+            self.counter.count(self.peer, request.ByteSize(), reply.ByteSize())
+        return reply
+
+    async def close(self) -> None:
+        if not self.call.done():
+            try:
+                await self.call.done_writing()
+            except Exception:  # already broken: cancelling is all that is left
+                pass
+            self.call.cancel()
+
+
+class RemoteDraftSession:
+    def __init__(self, stream: _Stream) -> None:
+        self.stream = stream
+
+    async def propose(
+        self, cursor: Cursor, gamma: int, seed: int, timeout: float | None
+    ) -> Proposal:
+        req = draft_pb2.DraftRequest(
+            propose=draft_pb2.Propose(
+                cache_len=cursor.cache_len, append_tokens=cursor.pending, gamma=gamma, seed=seed
+            )
+        )
+        p = (await self.stream.ask(req, timeout)).proposal
+        if len(p.tokens) != gamma:
+            raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
+        return Proposal(
+            list(p.tokens),
+            None,
+            p.cache_len,
+            packed=p.q,
+            compute_s=p.compute_s,
+            forward_s=p.forward_s,
+            batch_tokens=p.batch_tokens,
+        )
+
+    async def rollback(self, cache_len: int, timeout: float | None) -> int:
+        req = draft_pb2.DraftRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
+        return (await self.stream.ask(req, timeout)).rolled_back.cache_len
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+class RemoteTargetSession:
+    def __init__(self, stream: _Stream) -> None:
+        self.stream = stream
+
+    async def verify(
+        self,
+        cursor: Cursor,
+        proposal: Proposal | None,
+        seed: int,
+        dense_p: bool,
+        timeout: float | None,
+        pit: bool = False,
+    ) -> Verdict:
+        v = target_pb2.Verify(
+            cache_len=cursor.cache_len,
+            pending_tokens=cursor.pending,
+            seed=seed,
+            return_dense_p=dense_p,
+            return_pit=pit,
+        )
+        if proposal is not None and proposal.tokens:
+            v.draft_tokens.extend(proposal.tokens)
+            v.draft_q.CopyFrom(
+                proposal.packed if proposal.packed is not None else pack_q(proposal.qs)
+            )
+        r = (await self.stream.ask(target_pb2.TargetRequest(verify=v), timeout)).verdict
+        return Verdict(
+            p_draft=list(r.p_draft),
+            q_draft=list(r.q_draft),
+            residual_tokens=list(r.residual_tokens),
+            bonus_token=r.bonus_token,
+            cache_len=r.cache_len,
+            compute_s=r.compute_s,
+            forward_s=r.forward_s,
+            batch_tokens=r.batch_tokens,
+            cdf_below=list(r.cdf_below) if pit else None,
+            p_at=list(r.p_at) if pit else None,
+            p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
+        )
+
+    async def rollback(self, cache_len: int, timeout: float | None) -> int:
+        req = target_pb2.TargetRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
+        return (await self.stream.ask(req, timeout)).rolled_back.cache_len
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+def _dense(values, rows: int):
+    import torch
+
+    return torch.tensor(list(values), dtype=torch.float32).reshape(rows, -1)
+
+
+class _RemotePort:
+    peer = ""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+
+    async def info(self, timeout: float | None) -> ModelInfo:
+        try:
+            return info_from_pb(await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout))
+        except grpc.aio.AioRpcError as e:
+            raise error_of(e, self.peer) from None
+
+    async def _open(self, request, timeout: float | None, counter: WireCounter | None) -> _Stream:
+        stream = _Stream(self.peer, self.stub.Session(), counter)
+        try:
+            await stream.ask(request, timeout)
+        except BaseException:
+            await stream.close()
+            raise
+        return stream
+
+    async def aclose(self) -> None:
+        await self.channel.close()
+
+
+class RemoteDraft(_RemotePort):
+    """A draft service replica behind a channel."""
+
+    peer = "draft"
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+
+    async def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        shape: WireShape,
+        timeout: float | None,
+        counter: WireCounter | None = None,
+    ) -> RemoteDraftSession:
+        req = draft_pb2.DraftRequest(
+            open=common_pb2.OpenSession(
+                session_id=session_id,
+                tokens=tokens,
+                params=params_to_pb(params),
+                wire_top_k=shape.max_entries,
+                wire_eps=shape.eps,
+                wire_bits=shape.bits,
+            )
+        )
+        return RemoteDraftSession(await self._open(req, timeout, counter))
+
+
+class RemoteTarget(_RemotePort):
+    """A target service replica behind a channel."""
+
+    peer = "target"
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        self.stub = target_pb2_grpc.TargetServiceStub(channel)
+
+    async def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        timeout: float | None,
+        counter: WireCounter | None = None,
+    ) -> RemoteTargetSession:
+        req = target_pb2.TargetRequest(
+            open=common_pb2.OpenSession(
+                session_id=session_id, tokens=tokens, params=params_to_pb(params)
+            )
+        )
+        return RemoteTargetSession(await self._open(req, timeout, counter))

@@ -1,0 +1,298 @@
+"""Resilience around the ports, for one request: pinning, re-prefill, failover,
+fallback. The step (``orchestrator.step``) never sees any of it.
+
+* ``DraftLink``: the draft side. A session lost by the draft (it restarted) is
+  re-opened from the token history at once; any other failure opens the
+  replica's circuit breaker and the step goes on without a draft (the target
+  decodes alone: still exact). Speculation resumes when a breaker allows.
+* ``TargetLink``: the target side. A lost session is re-opened from the
+  history; an unreachable replica is retried for ``target_retry_s`` or left
+  for another replica serving the same model (equal fingerprint). A new
+  request whose target cannot be reached fails at once.
+
+Each link owns its session and its cursor; the engine replaces the cursor
+with the one the step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.errors import DeadlineExceeded, InvalidArgument, SessionLost, SpecdecError, Unavailable
+from specdec.sampling import Proposal, SamplingParams, Verdict
+from specdec.wire import WireShape
+
+from .ports import WireCounter
+from .replicas import Replica, ReplicaPool
+from .step import Cursor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Budget:
+    """The deadlines of one request's calls."""
+
+    deadline: float | None  # time.monotonic() by which the request must be done
+    draft_timeout_s: float
+    target_timeout_s: float
+
+    def left(self, configured: float) -> float:
+        """Seconds one call may take: its configured timeout, within the request's deadline."""
+        if self.deadline is None:
+            return configured
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline: the request's deadline passed while generating")
+        return min(configured, left)
+
+    def passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+class _Link:
+    """What both links share: a pinned replica, a session, a cursor, the history."""
+
+    role = ""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        session_id: str,
+        history: list[int],
+        params: SamplingParams,
+        budget: Budget,
+        counter: WireCounter | None,
+        spawn: Callable,
+    ) -> None:
+        self.pool = pool
+        self.session_id = session_id
+        self.history = history  # the request's authoritative history (read only here)
+        self.params = params
+        self.budget = budget
+        self.counter = counter
+        self.spawn = spawn  # runs a coroutine that must outlive a cancelled request
+        self.replica: Replica | None = None
+        self.session = None
+        self.cursor: Cursor | None = None
+
+    def pin(self, replica: Replica) -> None:
+        self.unpin()
+        replica.pinned += 1
+        self.replica = replica
+
+    def unpin(self) -> None:
+        if self.replica is not None:
+            self.replica.pinned -= 1
+            self.replica = None
+
+    def drop_session(self) -> None:
+        """Forget the session (closing it in the background)."""
+        if self.session is not None:
+            self.spawn(self.session.close())
+        self.session, self.cursor = None, None
+
+    async def close(self) -> None:
+        session, self.session, self.cursor = self.session, None, None
+        self.unpin()
+        if session is not None:
+            await session.close()
+
+
+class DraftLink(_Link):
+    role = "draft"
+
+    def __init__(self, *args, shape: WireShape, on_fallback: Callable[[str], None], **kw) -> None:
+        super().__init__(*args, **kw)
+        self.shape = shape
+        self.on_fallback = on_fallback
+
+    async def _open(self) -> None:
+        self.cursor = Cursor.fresh(self.history)
+        self.session = await self.replica.port.open(
+            self.session_id,
+            self.history[:-1],
+            self.params,
+            self.shape,
+            self.budget.left(self.budget.draft_timeout_s),
+            self.counter,
+        )
+
+    async def prefill(self) -> None:
+        """Open a session ahead of the first step (failures only mean no speculation yet)."""
+        replica = self.pool.pick()
+        if replica is None:
+            return
+        self.pin(replica)
+        try:
+            await self._open()
+        except SpecdecError as e:
+            self._failed(e)
+
+    async def propose(self, gamma: int, seed: int, ahead: Cursor | None = None) -> Proposal | None:
+        """A draft of gamma tokens from ``self.cursor``, or None (this step falls back).
+
+        ``ahead``: draft from this cursor instead (drafting on while the target
+        verifies, as if every pending draft will be accepted). Such a draft is only
+        worth having from the live session: nothing is re-opened for it, and a
+        failure does not count as a fallback step (the verdict's bonus serves).
+        """
+        if ahead is not None:
+            if self.session is None:
+                return None
+            try:
+                proposal = await self.session.propose(
+                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
+                )
+            except SpecdecError as e:
+                if self.budget.passed():
+                    return None
+                self._failed(e, fallback=False)
+                return None
+            self.replica.breaker.success()
+            return proposal
+        if self.session is None:
+            replica = self.replica if self.replica and self.replica.usable() else self.pool.pick()
+            if replica is None:
+                self.on_fallback("breaker_open")
+                return None
+            if replica is not self.replica:
+                self.pin(replica)
+        for attempt in (1, 2):
+            try:
+                if self.session is None:
+                    await self._open()
+                proposal = await self.session.propose(
+                    self.cursor, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
+                )
+                self.replica.breaker.success()
+                return proposal
+            except SpecdecError as e:
+                if self.budget.passed():
+                    raise DeadlineExceeded(
+                        "deadline: the request's deadline passed while generating"
+                    ) from None
+                if isinstance(e, SessionLost) and attempt == 1:
+                    log.warning("draft lost session %s: re-prefilling", self.session_id)
+                    self.drop_session()
+                    continue
+                self._failed(e)
+                return None
+        return None
+
+    def _failed(self, e: SpecdecError, fallback: bool = True) -> None:
+        """Give up on the pinned replica for now: breaker, close, fall back."""
+        reason = _reason(e)
+        log.warning(
+            "draft %s failed (%s): speculating again after back-off",
+            self.replica.address if self.replica else "?",
+            reason,
+        )
+        if self.replica is not None:
+            self.replica.breaker.failure()
+        self.drop_session()
+        self.unpin()
+        if fallback:
+            self.on_fallback(reason)
+
+    async def rollback(self) -> None:
+        if self.session is None:
+            return
+        try:
+            await self.session.rollback(
+                self.cursor.cache_len, self.budget.left(self.budget.draft_timeout_s)
+            )
+        except SpecdecError as e:
+            self._failed(e)
+
+
+class TargetLink(_Link):
+    role = "target"
+
+    def __init__(self, *args, retry_s: float, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.retry_s = retry_s
+        self.model: str | None = None  # fingerprint of the model this request runs on
+
+    async def _open(self) -> None:
+        self.cursor = Cursor.fresh(self.history)
+        self.session = await self.replica.port.open(
+            self.session_id,
+            self.history[:-1],
+            self.params,
+            self.budget.left(self.budget.target_timeout_s),
+            self.counter,
+        )
+
+    async def open(self) -> None:
+        """Pin the least-loaded replica and prefill; a new request fails fast."""
+        tried: set[str] = set()
+        while True:
+            replica = self.pool.pick(model=self.model)
+            if replica is None or replica.address in tried:
+                raise Unavailable(f"target: no healthy replica at {self.pool.spec}")
+            tried.add(replica.address)
+            self.pin(replica)
+            self.model = replica.info.model_fingerprint
+            try:
+                return await self._open()
+            except Unavailable:
+                replica.breaker.failure()
+                self.drop_session()
+
+    async def verify(
+        self, proposal: Proposal | None, seed: int, dense_p: bool, pit: bool = False
+    ) -> Verdict:
+        """The verdict on ``proposal`` from ``self.cursor``, riding out restarts."""
+        retry_until = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                if self.session is None:
+                    await self._open()
+                verdict = await self.session.verify(
+                    self.cursor,
+                    proposal,
+                    seed,
+                    dense_p,
+                    self.budget.left(self.budget.target_timeout_s),
+                    pit,
+                )
+                self.replica.breaker.success()
+                return verdict
+            except SessionLost as e:
+                log.warning("target lost session %s (%s): re-prefilling", self.session_id, e)
+                self.drop_session()
+            except (Unavailable, DeadlineExceeded) as e:
+                if self.budget.passed() or time.monotonic() > retry_until:
+                    raise
+                if isinstance(e, DeadlineExceeded):
+                    raise
+                # Another replica of the same model if there is one (re-prefilled
+                # from the history); otherwise wait for this one to come back.
+                self.replica.breaker.failure()
+                self.drop_session()
+                other = self.pool.pick(exclude=self.replica, model=self.model)
+                if other is not None:
+                    self.pin(other)
+            except InvalidArgument:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def rollback(self) -> None:
+        if self.session is not None:
+            await self.session.rollback(
+                self.cursor.cache_len, self.budget.left(self.budget.target_timeout_s)
+            )
+
+
+def _reason(e: SpecdecError) -> str:
+    """A bounded metric label for a draft failure."""
+    if isinstance(e, DeadlineExceeded):
+        return "timeout"
+    return getattr(e, "code_name", type(e).__name__).lower()

@@ -1,0 +1,102 @@
+"""One speculation step, as a pure function over domain values.
+
+Read it against the seed (Leviathan et al. 2023, algorithm 1):
+
+    proposal  = x_1..x_gamma, each drawn from q_i          (the draft)
+    verdict   = p_i(x_i), q_i(x_i), residual draws, bonus   (the target, one pass)
+    n         = accepted_count(p, q, u)                     (here, with our uniforms)
+    emitted   = x_1..x_n, then residual_{n+1} or the bonus
+
+and each model service's **cursor** moves: a cursor is what that service's
+cache holds of the request's history (its first ``cache_len`` tokens),
+followed by the tokens it has not been fed yet (``pending``). The next call
+to the service sends the cursor, so a rollback costs no round trip: the
+service trims its cache to ``cache_len`` and feeds ``pending``.
+
+No I/O, no protobuf, no clock: the engine (``orchestrator.engine``) does the
+calling, this module only decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdec.sampling import Verdict, accepted_count, step_tokens
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """What a service's cache holds of the history, and what it has yet to see."""
+
+    cache_len: int  # the cache holds history[:cache_len]
+    # history[cache_len:], not fed yet. Empty only for a target whose last pass
+    # ended at cache_len with every token accepted: it kept p for the next position.
+    pending: tuple[int, ...]
+
+    @classmethod
+    def fresh(cls, history: Sequence[int]) -> Cursor:
+        """A session prefilled with all of the history but its last token."""
+        return cls(len(history) - 1, (history[-1],))
+
+    @property
+    def end(self) -> int:
+        """Length of the history this cursor stands for."""
+        return self.cache_len + len(self.pending)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step decided."""
+
+    tokens: list[int]  # emitted: x_1..x_n, then the residual or bonus draw
+    drafted: int  # gamma of this step (0: no draft)
+    accepted: int  # n
+    target: Cursor  # the target's cursor after the step
+    draft: Cursor | None  # the draft's (None: it has no session)
+    chained: bool = False  # all accepted, and the next draft takes the bonus position
+
+
+def ahead(draft: Cursor, drafts: Sequence[int]) -> Cursor:
+    """The draft's cursor for drafting on past x_gamma, as if every draft will be
+    accepted: it has fed its pending tokens and x_1..x_{gamma-1}; x_gamma is next."""
+    return Cursor(draft.end + len(drafts) - 1, (drafts[-1],))
+
+
+def settle(
+    target: Cursor,
+    draft: Cursor | None,
+    drafts: Sequence[int],
+    verdict: Verdict,
+    u: Sequence[float],
+    chain: bool = False,
+) -> StepOutcome:
+    """Accept or reject the drafts and move both cursors.
+
+    target, draft: the cursors the proposal and the verdict were made from;
+    drafts: x_1..x_gamma (empty for a plain decoding step); u: [gamma] uniforms.
+    ``chain``: a next proposal was drafted ahead (``ahead``) and may take the
+    bonus position: if every draft is accepted, no bonus token is emitted; the
+    next proposal's first token is tested at that position against the p the
+    target already computed (overlapped speculation, docs/exactness.md).
+    """
+    gamma = len(drafts)
+    n = accepted_count(verdict.p_draft, verdict.q_draft, u)
+    if chain and gamma and n == gamma:
+        # The target fed every draft and kept p for the next position: nothing pending.
+        return StepOutcome(
+            list(drafts), gamma, n, Cursor(target.end + n, ()), ahead(draft, drafts), True
+        )
+    emitted = step_tokens(list(drafts), n, verdict.residual_tokens, verdict.bonus_token)
+    # The target fed its pending tokens and every draft; the first n drafts stay valid.
+    new_target = Cursor(target.end + n, (emitted[-1],))
+    if draft is None:
+        new_draft = None
+    elif gamma:
+        # The draft fed its pending tokens and x_1..x_{gamma-1} (x_gamma never): of
+        # those, the first min(n, gamma - 1) drafts stay valid.
+        kept = min(n, gamma - 1)
+        new_draft = Cursor(draft.end + kept, tuple(drafts[kept:n]) + (emitted[-1],))
+    else:  # the draft saw nothing this step
+        new_draft = Cursor(draft.cache_len, draft.pending + tuple(emitted))
+    return StepOutcome(emitted, gamma, n, new_target, new_draft)

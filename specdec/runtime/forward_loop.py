@@ -1,0 +1,190 @@
+"""Continuous batching: every session that is ready shares the next forward pass.
+
+A *job* is a generator that yields a ``Feed`` (tokens to append to one
+session's cache, and how many logits it wants), receives those logits,
+yields its next feed, and finally returns its result. A Verify is a one-feed
+job; a Propose is gamma feeds (one per drafted token); a prefill is one feed
+that the loop may cut into chunks.
+
+``ForwardLoop`` runs on the service's event loop. Whenever the model is free
+it takes every waiting feed, oldest first, up to a token budget, and runs them
+as one packed forward (``RaggedRunner``): no timer, no waiting for a batch to
+fill. Short feeds (decode and verify steps) go first; long ones (prefills) are
+cut to fit the budget that is left, and the oldest long one always gets at
+least a quarter of the budget, so neither kind starves. A forward blocks the
+event loop while it runs (like a model server's decode loop); between
+forwards the loop serves RPCs and new jobs join.
+
+Not for: what jobs compute (the draft and target services write them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .ragged import Feed, RaggedRunner
+
+Job = Generator[Feed, torch.Tensor, Any]
+# A feed is "long" (a prefill) past this many tokens; shorter ones go first.
+LONG_FEED = 64
+
+
+@dataclass
+class _Pending:
+    job: Job
+    future: asyncio.Future
+    feed: Feed
+    arrived: float = field(default_factory=time.perf_counter)
+    kind: str = "step"
+    waited: bool = False  # its first forward has run (queue wait recorded)
+
+
+@dataclass
+class BatchStats:
+    """What one forward covered (for metrics)."""
+
+    sessions: int
+    tokens: int
+    seconds: float
+    queue_waits: list[float]
+    kinds: list[str]
+
+
+class ForwardLoop:
+    """Runs jobs' feeds in shared forward passes."""
+
+    def __init__(
+        self,
+        runner: RaggedRunner,
+        max_batch_tokens: int,
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.max_batch_tokens = max_batch_tokens
+        self.on_batch = on_batch
+        self._waiting: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        # The forward a job just came out of (read by the job as it resumes).
+        self.last_batch = BatchStats(0, 0, 0.0, [], [])
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._drive())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for p in self._waiting:
+            if not p.future.done():
+                p.future.cancel()
+        self._waiting.clear()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    async def run(self, job: Job, kind: str = "step") -> Any:
+        """Drive ``job`` to completion in shared forwards; returns its result."""
+        try:
+            feed = next(job)
+        except StopIteration as done:  # a job that needs no forward
+            return done.value
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Pending(job, future, feed, kind=kind))
+        self._wake.set()
+        try:
+            return await future
+        finally:
+            if not future.done():  # cancelled by the caller: drop the job
+                self._waiting = [p for p in self._waiting if p.future is not future]
+                job.close()
+
+    # ---- the loop -----------------------------------------------------------------------
+    async def _drive(self) -> None:
+        while True:
+            if not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            # Let RPCs that arrived during the last forward add their jobs first.
+            await asyncio.sleep(0)
+            batch = self._select()
+            if batch:
+                self._forward(batch)
+            await asyncio.sleep(0)
+
+    def _select(self) -> list[tuple[_Pending, Feed]]:
+        """The feeds of the next forward: short ones oldest first, then long ones cut to fit."""
+        budget = self.max_batch_tokens
+        short = [p for p in self._waiting if len(p.feed.tokens) <= LONG_FEED]
+        long = [p for p in self._waiting if len(p.feed.tokens) > LONG_FEED]
+        chosen: list[tuple[_Pending, Feed]] = []
+        if long:  # the oldest prefill always progresses
+            budget -= min(len(long[0].feed.tokens), max(1, self.max_batch_tokens // 4))
+        for p in short:
+            if len(p.feed.tokens) > budget and chosen:
+                continue
+            chosen.append((p, p.feed))
+            budget -= len(p.feed.tokens)
+        if long:
+            budget += min(len(long[0].feed.tokens), max(1, self.max_batch_tokens // 4))
+        for p in long:
+            if budget <= 0:
+                break
+            n = len(p.feed.tokens)
+            if n <= budget:
+                chosen.append((p, p.feed))
+            else:  # a chunk now, the rest (with the logits it wants) later
+                chosen.append((p, Feed(p.feed.kv, p.feed.tokens[:budget], 0)))
+            budget -= min(n, budget)
+        return chosen
+
+    def _forward(self, batch: list[tuple[_Pending, Feed]]) -> None:
+        start = time.perf_counter()
+        waits = []
+        for p, _ in batch:
+            if not p.waited:
+                waits.append(start - p.arrived)
+                p.waited = True
+        try:
+            logits = self.runner.forward([feed for _, feed in batch])
+        except Exception as e:  # the whole forward failed: so does every job in it
+            for p, _ in batch:
+                self._finish(p, error=e)
+            return
+        if logits and logits[0].is_cuda:  # time the work, not the launch
+            torch.cuda.synchronize(logits[0].device)
+        seconds = time.perf_counter() - start
+        self.last_batch = stats = BatchStats(
+            sessions=len(batch),
+            tokens=sum(len(f.tokens) for _, f in batch),
+            seconds=seconds,
+            queue_waits=waits,
+            kinds=[p.kind for p, _ in batch],
+        )
+        for (p, feed), out in zip(batch, logits, strict=True):
+            if feed is not p.feed:  # a chunk: the remainder stays queued
+                p.feed = Feed(p.feed.kv, p.feed.tokens[len(feed.tokens) :], p.feed.logits)
+                continue
+            try:
+                p.feed = p.job.send(out)
+            except StopIteration as done:
+                self._finish(p, result=done.value)
+            except Exception as e:
+                self._finish(p, error=e)
+        if self.on_batch is not None:
+            self.on_batch(stats)
+
+    def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        self._waiting = [w for w in self._waiting if w is not p]
+        if p.future.done():
+            return
+        if error is not None:
+            p.future.set_exception(error)
+        else:
+            p.future.set_result(result)

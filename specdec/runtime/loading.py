@@ -1,0 +1,134 @@
+"""Loading a causal LM and its tokenizer, and what identifies them.
+
+Not for: running the model (``specdec.runtime.ragged``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+# Bytes read from each weight file for the fingerprint: evenly spaced chunks.
+_SAMPLE_CHUNKS, _CHUNK_BYTES = 64, 1 << 16
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model service tells about itself."""
+
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    dtype: str
+    device: str
+    architecture: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    model_fingerprint: str
+    server_version: str
+    protocol_version: int
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    path: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    quiet: bool = False,
+):
+    """A causal LM in eval mode on ``device`` cast to ``dtype``.
+
+    Prefers safetensors; never runs a model's own code unless asked to.
+    ``quiet`` hides transformers' per-file progress bars.
+    """
+    has_safetensors = any(Path(path).glob("*.safetensors")) if Path(path).is_dir() else None
+    if quiet:
+        hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True if has_safetensors else None,
+    )
+    return model.to(device).eval()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 over the vocabulary and special tokens: equal iff the tokenizers agree."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(map(str, tokenizer.all_special_tokens))
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def eos_token_ids(model) -> list[int]:
+    """Every end-of-sequence id the model's config and generation_config name, in order."""
+    ids: list[int] = []
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        for eos in value if isinstance(value, list | tuple) else [value]:
+            if eos is not None and int(eos) not in ids:
+                ids.append(int(eos))
+    return ids
+
+
+def position_limit(model) -> int | None:
+    """Most positions the model can embed: the size of its table of absolute positions
+    (GPT-2's ``n_positions``), or None for rotary models, which have no such table."""
+    if any("Rotary" in type(m).__name__ for m in model.modules()):
+        return None
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def model_fingerprint(path: str, model, dtype: str) -> str:
+    """SHA-256 over the config, a sample of every weight file and the served dtype.
+
+    Reads at most 4 MiB per weight file, so it is cheap for any model size;
+    two checkpoints that differ anywhere in their weights differ in (nearly)
+    every sampled chunk. A model without files (built in memory) is
+    fingerprinted by its parameters.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    h.update(dtype.encode())
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")) if root.is_dir() else []
+    if not files:
+        for name, p in sorted(model.state_dict().items()):
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes()[:_CHUNK_BYTES])
+        return h.hexdigest()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f.name.encode() + size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            step = max(_CHUNK_BYTES, size // _SAMPLE_CHUNKS)
+            for offset in range(0, size, step):
+                fh.seek(offset)
+                h.update(fh.read(_CHUNK_BYTES))
+    return h.hexdigest()
+
+
+def set_threads(n: int) -> None:
+    """Torch CPU threads for this process (0 keeps torch's default)."""
+    if n:
+        torch.set_num_threads(n)
+        os.environ.setdefault("OMP_NUM_THREADS", str(n))

@@ -1,0 +1,358 @@
+"""One forward pass over many sessions at once, each with its own KV cache.
+
+A session's keys and values live in ``SessionKV``: per layer one buffer
+[kv_heads, capacity, head_dim] and one length. Rolling back is moving that
+length (gpt-fast's position counter); nothing is copied, so rollback is exact
+for every attention kind, sliding windows included (the window is applied
+when attending, never by dropping keys).
+
+``RaggedRunner.forward`` packs the new tokens of every session into one row
+([1, N], N = sum of the sessions' new tokens), with each token's own position,
+and runs the Hugging Face model once. The model writes its keys and values
+through ``RaggedBatch.update`` (our stand-in for its cache object) and
+attends through ``ragged_attention``, registered as an attention
+implementation: each session's queries attend only to that session's keys,
+causally. No padding, no copy of any cache, no mask materialized for a
+one-token step.
+
+Which models it serves is decided at start-up, not mid-request: the runner
+checks a packed forward (two sessions, a rollback, a decode step) against the
+model's own forward on a few tokens and refuses, naming the model type, a
+model it cannot serve (attention sinks, ALiBi, recurrent or linear-attention
+layers, bidirectional masks, chunked attention, ...). Tested families and
+their caveats: ``docs/models.md``.
+
+Not for: sampling (``specdec.sampling``), scheduling which sessions share a
+forward (``specdec.runtime.forward_loop``), or sessions' lifetimes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from specdec.errors import FailedPrecondition, Unsupported
+
+ATTENTION = "specdec_ragged"
+_MIN_CAPACITY = 64
+# Attention arguments a model may pass that we understand; anything else
+# unknown (e.g. attention sinks) makes the model unsupported, loudly.
+_KNOWN_KWARGS = {
+    "position_ids",
+    "cache",
+    "use_cache",
+    "output_attentions",
+    "is_causal",
+    "output_router_logits",  # mixture-of-experts models pass it down; attention ignores it
+}
+# The start-up self-test: tokens fed (more than the tests' sliding windows), and the
+# largest disagreement with the model's own forward it accepts, relative to the spread
+# (standard deviation) of the model's logits. A packed forward rounds differently from
+# a plain one by far less than this (on the tests' models: 1e-6 of the spread in
+# float32, 0.002 in float16, 0.01-0.02 in bfloat16; deep models and GPU kernels such as
+# TF32 accumulate more, hence the margin); a wrong mask, position or scale is off by
+# the order of the spread itself.
+_SELF_TEST_TOKENS = 24
+_SELF_TEST_TOLERANCE = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-2,
+    torch.float16: 0.125,
+    torch.bfloat16: 0.25,
+}
+
+
+class SessionKV:
+    """One session's cache: keys and values per layer, and how many positions are valid."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.keys: list[torch.Tensor | None] = []  # per layer [kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor | None] = []
+
+    def truncate(self, length: int) -> int:
+        """Forget positions from ``length`` on; returns how many were dropped."""
+        if not 0 <= length <= self.length:
+            raise FailedPrecondition(
+                f"cache_len: the session holds {self.length} tokens, cannot roll back to {length}"
+            )
+        removed, self.length = self.length - length, length
+        return removed
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    def _buffers(
+        self, layer: int, like: torch.Tensor, needed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers with room for ``needed`` positions (grown by doubling)."""
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        k, v = self.keys[layer], self.values[layer]
+        if k is None or k.shape[1] < needed:
+            heads, dim = like.shape[1], like.shape[3]
+            cap = max(needed, _MIN_CAPACITY, 2 * (k.shape[1] if k is not None else 0))
+            new_k = like.new_empty(heads, cap, dim)
+            new_v = like.new_empty(heads, cap, dim)
+            if k is not None:
+                new_k[:, : self.length] = k[:, : self.length]
+                new_v[:, : self.length] = v[:, : self.length]
+            self.keys[layer], self.values[layer] = k, v = new_k, new_v
+        return k, v
+
+
+@dataclass
+class Segment:
+    """One session's share of a packed forward."""
+
+    kv: SessionKV
+    past: int  # tokens already cached
+    new: int  # tokens fed in this forward
+    start: int  # offset of its first new token in the packed row
+
+
+class RaggedBatch:
+    """The cache object the model sees during one packed forward."""
+
+    is_compileable = False
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+
+    # -- what Hugging Face models call on a cache --------------------------------------
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, kwargs=None):
+        """Store the new keys/values of every segment; returns handles for the attention."""
+        # key_states: [1, kv_heads, N, head_dim]
+        for s in self.segments:
+            k, v = s.kv._buffers(layer_idx, key_states, s.past + s.new)
+            k[:, s.past : s.past + s.new] = key_states[0, :, s.start : s.start + s.new]
+            v[:, s.past : s.past + s.new] = value_states[0, :, s.start : s.start + s.new]
+        return self, self
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Only used by models to infer positions, which we always pass explicitly.
+        return 0
+
+    # -- attention -----------------------------------------------------------------------
+    def _mask(self, i: int, lo: int, window: int | None, device) -> torch.Tensor | None:
+        """Which of keys lo.. each new query of segment i may see: bool [new, total - lo]."""
+        s = self.segments[i]
+        if s.new == 1:
+            return None  # the last query sees every key from lo on
+        key = (i, window)
+        if key not in self._masks:
+            q_pos = torch.arange(s.past, s.past + s.new, device=device)[:, None]  # [new, 1]
+            k_pos = torch.arange(lo, s.past + s.new, device=device)[None, :]  # [1, keys]
+            allowed = k_pos <= q_pos
+            if window:
+                allowed &= k_pos > q_pos - window
+            self._masks[key] = allowed
+        return self._masks[key]
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scaling: float | None,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """query: [1, heads, N, head_dim] -> [1, N, heads, head_dim]."""
+        heads, n_total, dim = query.shape[1], query.shape[2], query.shape[3]
+        out = query.new_empty(1, n_total, heads, dim)
+        for i, s in enumerate(self.segments):
+            total = s.past + s.new
+            # The first key any of this segment's queries may see.
+            lo = max(0, s.past + 1 - window) if window else 0
+            k = s.kv.keys[layer][None, :, lo:total]  # [1, kv_heads, keys, head_dim]
+            v = s.kv.values[layer][None, :, lo:total]
+            q = query[:, :, s.start : s.start + s.new]  # [1, heads, new, head_dim]
+            mask = self._mask(i, lo, window, query.device)
+            if softcap is None:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
+                )
+            else:
+                o = _softcapped_attention(q, k, v, mask, scaling, softcap)
+            out[0, s.start : s.start + s.new] = o[0].transpose(0, 1)
+        return out
+
+
+def _softcapped_attention(q, k, v, mask, scaling, softcap) -> torch.Tensor:
+    """Eager attention with tanh soft-capping of the scores (Gemma 2)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [1, heads, new, keys]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def ragged_attention(
+    module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """The attention implementation models call while a ``RaggedBatch`` is their cache."""
+    if not isinstance(key, RaggedBatch):
+        raise Unsupported(
+            f"{type(module).__name__}: the specdec_ragged attention needs a RaggedBatch cache"
+        )
+    unknown = {k for k, v in kwargs.items() if v is not None and k not in _KNOWN_KWARGS}
+    if unknown:
+        raise Unsupported(
+            f"{type(module).__name__}: attention arguments {sorted(unknown)} are not supported"
+        )
+    out = key.attend(module.layer_idx, query, scaling, sliding_window, softcap)
+    return out, None
+
+
+AttentionInterface.register(ATTENTION, ragged_attention)
+
+
+@dataclass
+class Feed:
+    """What one session feeds into a forward: tokens after its cache, and how many
+    of the last positions' logits it wants back (0: none, e.g. a prefill)."""
+
+    kv: SessionKV
+    tokens: list[int]
+    logits: int = 1
+
+
+class RaggedRunner:
+    """A causal LM run over packed rows of many sessions' new tokens."""
+
+    def __init__(self, model, self_test: bool = True) -> None:
+        self.model = model
+        config = model.config
+        self.model_type = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
+        # The ragged attention is switched on for our forwards only: the same model
+        # object keeps working with generate() and its own caches elsewhere.
+        self._default = config._attn_implementation
+        try:
+            model.set_attn_implementation(ATTENTION)  # validates that the model accepts it
+        except Exception as e:
+            raise Unsupported(
+                f"model type {self.model_type}: does not accept a custom attention "
+                f"implementation ({type(e).__name__}: {e})"
+            ) from e
+        finally:
+            config._attn_implementation = self._default
+        if getattr(config, "attention_chunk_size", None):
+            raise Unsupported(
+                f"model type {self.model_type}: chunked attention (attention_chunk_size="
+                f"{config.attention_chunk_size}) is not supported"
+            )
+        self.device = next(model.parameters()).device
+        self.vocab_size: int = config.vocab_size
+        if self_test:
+            self.self_test()
+
+    def self_test(self) -> None:
+        """Refuse a model whose packed forward differs from its own forward.
+
+        Two sessions share one forward, one of them after a rolled-back draft, then
+        a one-token decode step; every logit is compared with the model's own
+        forward (its default attention, no cache) over the same tokens. Any
+        exception or a disagreement over the tolerance raises ``Unsupported``
+        naming the model type, so that a family this runtime cannot serve is
+        refused when the service starts, never in the middle of a request.
+        """
+        n = _SELF_TEST_TOKENS
+        tokens = [(7919 * i + 11) % self.vocab_size for i in range(n)]
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([tokens], device=self.device)
+                want = self.model(input_ids=ids, use_cache=False).logits[0].double()  # [n, V]
+        except Exception as e:
+            raise Unsupported(
+                f"model type {self.model_type}: its own forward fails on {n} tokens "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        a, b = SessionKV(), SessionKV()
+        try:
+            self.forward([Feed(a, tokens[: n - 6], 0)])
+            self.forward([Feed(a, tokens[:3], 1)])  # a draft, then rejected
+            a.truncate(n - 6)
+            got_a, got_b = self.forward([Feed(a, tokens[n - 6 :], 6), Feed(b, tokens[:5], 2)])
+            a.truncate(n - 1)
+            (got_last,) = self.forward([Feed(a, tokens[n - 1 :], 1)])
+        except Exception as e:
+            raise Unsupported(
+                f"model type {self.model_type}: its attention cannot run in the ragged "
+                f"runtime ({type(e).__name__}: {e})"
+            ) from e
+        got = torch.cat([got_a, got_b, got_last]).double()  # [9, V]
+        want = torch.cat([want[n - 6 :], want[3:5], want[n - 1 :]])  # [9, V]
+        finite = want.isfinite()  # a model may mask tokens out with -inf
+        spread = float(want[finite].std()) or 1.0
+        err = float((got - want)[finite].abs().max()) / spread
+        if not torch.equal(got.isfinite(), finite):
+            err = math.inf
+        dtype = next(self.model.parameters()).dtype
+        tolerance = _SELF_TEST_TOLERANCE.get(dtype, 0.25)
+        if not err <= tolerance:
+            raise Unsupported(
+                f"model type {self.model_type}: the ragged forward differs from the "
+                f"model's own by {err:.3g} of the logits' spread (at most {tolerance:g} "
+                f"in {str(dtype).removeprefix('torch.')}); its attention is not supported"
+            )
+
+    @torch.inference_mode()
+    def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        """One forward over every feed; returns each feed's logits [feed.logits, vocab].
+
+        Logits stay on the model's device, in float32 (float64 for a float64 model).
+        A session's length grows only if the whole forward succeeds.
+        """
+        if len({id(f.kv) for f in feeds}) != len(feeds):
+            raise ValueError("a session may appear only once in a forward")
+        tokens: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        segments = []
+        for f in feeds:
+            start, past, new = len(tokens), f.kv.length, len(f.tokens)
+            tokens += f.tokens
+            positions += range(past, past + new)
+            keep += range(start + new - f.logits, start + new)
+            segments.append(Segment(f.kv, past, new, start))
+        dev = self.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)  # [1, N]
+        pos = torch.tensor([positions], dtype=torch.long, device=dev)  # [1, N]
+        config = self.model.config
+        config._attn_implementation = ATTENTION
+        try:
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                cache=RaggedBatch(segments),
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            )
+        finally:
+            config._attn_implementation = self._default
+        for s in segments:
+            s.kv.length = s.past + s.new
+        logits = out.logits[0]  # [sum of feeds' logits, vocab]
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        return list(logits.split([f.logits for f in feeds]))

@@ -1,0 +1,53 @@
+"""The one mapping from domain errors to gRPC status codes.
+
+Domain code raises ``specdec.errors`` classes; the interceptor of every
+server (``specdec.transport.server``) calls ``status_of`` and nothing else
+picks a status code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec import errors
+
+STATUS = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SessionLost: grpc.StatusCode.UNAVAILABLE,
+}
+# What a failed call to a model service means to its caller.
+_FROM_CODE = {
+    grpc.StatusCode.NOT_FOUND: errors.SessionLost,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.SessionLost,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unavailable,
+}
+
+
+def code_of(e: errors.SpecdecError) -> grpc.StatusCode:
+    """The status a domain error maps to (INTERNAL for one without a mapping)."""
+    for cls in type(e).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_of(e: grpc.aio.AioRpcError, peer: str) -> errors.SpecdecError:
+    """A failed call to ``peer`` ("draft", "target") as a domain error."""
+    cls = _FROM_CODE.get(e.code(), errors.Unavailable)
+    message = f"{peer}: {e.code().name}: {e.details()}"
+    if cls is errors.InvalidArgument:
+        return errors.InvalidArgument(peer, f"{e.code().name}: {e.details()}")
+    err = cls(message)
+    err.code_name = e.code().name  # for metric labels
+    return err

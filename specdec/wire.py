@@ -1,0 +1,217 @@
+"""The one codec between domain values and protobuf, with the one validator of each.
+
+Sampling parameters, token lists and proposal distributions cross the wire
+here and nowhere else: services, the orchestrator, tests and benchmarks all
+encode and decode through these functions, and every check of a field lives
+next to its decoder (errors name the field and the allowed range).
+Not for: the math (``specdec.sampling``) or transport details.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.errors import require
+from specdec.runtime.loading import ModelInfo
+from specdec.sampling import SamplingParams, SparseQ
+from specdec.v1 import common_pb2
+
+# Version of the draft/target session protocol (ModelInfo.protocol_version).
+PROTOCOL_VERSION = 2
+# Temperatures below this are refused by the services; the orchestrator treats
+# them as greedy (logits / 1e-37 overflow to inf). It is 1e-4 as the wire's float32
+# carries it, so that a client's 1e-4 is allowed.
+MIN_TEMPERATURE = float(np.float32(1e-4))
+DEFAULT_Q_BITS = 16
+MAX_Q_BITS = 30
+_ESCAPE = 255
+
+
+# ---- sampling parameters -------------------------------------------------------------------
+def check_params(temperature: float, top_k: int, top_p: float, prefix: str = "") -> SamplingParams:
+    """Validated sampling parameters. A top_p of 0 means unset (1)."""
+    t, k, p = float(temperature), int(top_k), float(top_p) or 1.0
+    require(
+        math.isfinite(t) and (t == 0.0 or t >= MIN_TEMPERATURE),
+        f"{prefix}temperature",
+        f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature}",
+    )
+    require(k >= 0, f"{prefix}top_k", f"must be >= 0 (0 disables), got {top_k}")
+    require(math.isfinite(p) and 0 < p <= 1, f"{prefix}top_p", f"must be in (0, 1], got {top_p}")
+    return SamplingParams(temperature=t, top_k=k, top_p=p)
+
+
+def params_from_pb(pb: common_pb2.SamplingParams, field: str = "params") -> SamplingParams:
+    return check_params(pb.temperature, pb.top_k, pb.top_p, prefix=f"{field}.")
+
+
+def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+
+
+# ---- token lists -------------------------------------------------------------------------
+def check_tokens(field: str, values: Sequence[int], vocab: int, min_len: int = 0) -> list[int]:
+    """Token ids in [0, vocab), at least ``min_len`` of them."""
+    tokens = list(values)
+    require(len(tokens) >= min_len, field, f"must hold at least {min_len} token(s)")
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    require(bad is None, field, f"token id {bad} outside the vocabulary [0, {vocab})")
+    return tokens
+
+
+# ---- proposal distributions --------------------------------------------------------------
+@dataclass(frozen=True)
+class WireShape:
+    """How a session's q is cut and quantized (set by the orchestrator at open)."""
+
+    max_entries: int = 256  # most tokens listed (0: no limit)
+    eps: float = 0.0  # mass that may go to the tail instead of the list
+    bits: int = DEFAULT_Q_BITS  # counts are out of 2^bits
+
+    def check(self) -> WireShape:
+        require(self.max_entries >= 0, "wire_top_k", f"must be >= 0, got {self.max_entries}")
+        require(0.0 <= self.eps < 0.5, "wire_eps", f"must be in [0, 0.5), got {self.eps}")
+        require(
+            1 <= self.bits <= MAX_Q_BITS,
+            "wire_bits",
+            f"must be in [1, {MAX_Q_BITS}], got {self.bits}",
+        )
+        return self
+
+
+def _bytes_with_escapes(values: np.ndarray) -> tuple[bytes, list[int]]:
+    small = np.minimum(values, _ESCAPE).astype(np.uint8)
+    return small.tobytes(), values[values >= _ESCAPE].tolist()
+
+
+def _from_bytes(field: str, data: bytes, escapes: Sequence[int]) -> np.ndarray:
+    values = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    hits = values == _ESCAPE
+    require(
+        int(hits.sum()) == len(escapes),
+        field,
+        f"{int(hits.sum())} escaped values but {len(escapes)} escapes",
+    )
+    if len(escapes):
+        values[hits] = np.asarray(escapes, dtype=np.int64)
+    return values
+
+
+def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
+    """q_1..q_gamma on the wire (see PackedQ in common.proto)."""
+    deltas, counts, sizes, tails = [], [], [], []
+    for q in qs:
+        order = np.argsort(q.ids, kind="stable")
+        ids = q.ids[order]
+        deltas.append(np.diff(ids, prepend=0))
+        counts.append(q.counts[order])
+        sizes.append(len(ids))
+        tails.append(q.tail)
+    bits = qs[0].bits if qs else DEFAULT_Q_BITS
+    if any(q.bits != bits for q in qs):
+        raise ValueError("every q of one draft is quantized to the same bits")
+    id_bytes, id_esc = _bytes_with_escapes(np.concatenate(deltas) if deltas else np.zeros(0, int))
+    c_bytes, c_esc = _bytes_with_escapes(np.concatenate(counts) if counts else np.zeros(0, int))
+    return common_pb2.PackedQ(
+        sizes=sizes,
+        id_deltas=id_bytes,
+        id_escapes=id_esc,
+        counts=c_bytes,
+        count_escapes=c_esc,
+        tails=tails,
+        bits=bits,
+    )
+
+
+def unpack_q(
+    pb: common_pb2.PackedQ, vocab: int, drafts: Sequence[int], field: str = "draft_q"
+) -> list[SparseQ]:
+    """The proposals of a draft, validated against the drafted tokens.
+
+    Each must be a distribution over [0, vocab) with distinct ids and positive
+    counts summing with its tail to 2^bits, and must give its drafted token a
+    positive probability (it was drawn from it).
+    """
+    gamma = len(drafts)
+    require(
+        len(pb.sizes) == gamma and len(pb.tails) == gamma,
+        field,
+        f"needs one distribution per drafted token ({gamma}), got {len(pb.sizes)} sizes "
+        f"and {len(pb.tails)} tails",
+    )
+    if gamma == 0:
+        return []
+    bits = pb.bits or DEFAULT_Q_BITS
+    require(1 <= bits <= MAX_Q_BITS, f"{field}.bits", f"must be in [1, {MAX_Q_BITS}], got {bits}")
+    total = int(sum(pb.sizes))
+    deltas = _from_bytes(f"{field}.id_deltas", pb.id_deltas, pb.id_escapes)
+    counts = _from_bytes(f"{field}.counts", pb.counts, pb.count_escapes)
+    require(
+        len(deltas) == total and len(counts) == total,
+        field,
+        f"sizes add up to {total} entries but there are {len(deltas)} ids and {len(counts)} counts",
+    )
+    scale = 1 << bits
+    out, start = [], 0
+    for i, (size, tail, x) in enumerate(zip(pb.sizes, pb.tails, drafts, strict=True)):
+        name = f"{field}[{i}]"
+        d, c = deltas[start : start + size], counts[start : start + size]
+        start += size
+        require(size > 0, name, "lists no token")
+        require(bool((d[1:] > 0).all()), name, "duplicate token id (ids must be distinct)")
+        ids = np.cumsum(d)
+        require(
+            int(ids[-1]) < vocab,
+            name,
+            f"token id {int(ids[-1])} outside the vocabulary [0, {vocab})",
+        )
+        require(bool((c > 0).all()), name, "counts must be positive")
+        require(
+            int(c.sum()) + tail == scale,
+            name,
+            f"counts ({int(c.sum())}) plus tail ({tail}) must add up to 2^{bits}",
+        )
+        require(tail == 0 or size < vocab, name, "a tail needs tokens outside the list")
+        q = SparseQ(ids, c, int(tail), vocab, bits)
+        require(q.prob(x) > 0, name, f"drafted token {x} has q = 0; it cannot have been drawn")
+        out.append(q)
+    return out
+
+
+# ---- model info --------------------------------------------------------------------------
+def info_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=info.model_id,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        dtype=info.dtype,
+        device=info.device,
+        architecture=info.architecture,
+        eos_token_id=info.eos_token_ids[0] if info.eos_token_ids else -1,
+        eos_token_ids=info.eos_token_ids,
+        max_context=info.max_context,
+        model_fingerprint=info.model_fingerprint,
+        server_version=info.server_version,
+        protocol_version=info.protocol_version,
+    )
+
+
+def info_from_pb(pb: common_pb2.ModelInfo) -> ModelInfo:
+    eos = tuple(pb.eos_token_ids) or ((pb.eos_token_id,) if pb.eos_token_id >= 0 else ())
+    return ModelInfo(
+        model_id=pb.model_id,
+        vocab_size=pb.vocab_size,
+        tokenizer_fingerprint=pb.tokenizer_fingerprint,
+        dtype=pb.dtype,
+        device=pb.device,
+        architecture=pb.architecture,
+        eos_token_ids=eos,
+        max_context=pb.max_context,
+        model_fingerprint=pb.model_fingerprint,
+        server_version=pb.server_version,
+        protocol_version=pb.protocol_version,
+    )

@@ -1,0 +1,84 @@
+"""The target service's gRPC edge: protobuf in, one domain call, protobuf out."""
+
+from __future__ import annotations
+
+from specdec.config import ModelServiceConfig
+from specdec.errors import InvalidArgument
+from specdec.transport.server import RunningServer, start_server
+from specdec.transport.session_stream import session_stream
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.wire import info_to_pb, params_from_pb, unpack_q
+
+from .verifier import Verifier
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, svc: Verifier) -> None:
+        self.svc = svc
+
+    async def Session(self, requests, context):
+        async for reply in session_stream(
+            self.svc, requests, self.svc.cfg.session_ttl_s, self._open, self._step
+        ):
+            yield reply
+
+    async def _open(self, m: common_pb2.OpenSession):
+        session = await self.svc.open(m.session_id, m.tokens, params_from_pb(m.params))
+        return session, target_pb2.TargetReply(
+            opened=common_pb2.SessionOpened(cache_len=session.length)
+        )
+
+    async def _step(self, session, kind: str, m: target_pb2.TargetRequest):
+        if kind == "verify":
+            v = m.verify
+            pending, drafts = self.svc.check_verify(
+                session, v.cache_len, v.pending_tokens, v.draft_tokens
+            )
+            qs = unpack_q(v.draft_q, self.svc.vocab_size, drafts)
+            verdict = await self.svc.verify(
+                session, v.cache_len, pending, drafts, qs, v.seed, v.return_dense_p, v.return_pit
+            )
+            out = target_pb2.Verdict(
+                p_draft=verdict.p_draft,
+                q_draft=verdict.q_draft,
+                residual_tokens=verdict.residual_tokens,
+                bonus_token=verdict.bonus_token,
+                cache_len=verdict.cache_len,
+                compute_s=verdict.compute_s,
+                forward_s=verdict.forward_s,
+                batch_tokens=verdict.batch_tokens,
+            )
+            if verdict.cdf_below is not None:
+                out.cdf_below.extend(verdict.cdf_below)
+                out.p_at.extend(verdict.p_at)
+            if verdict.p is not None:
+                out.dense_p.extend(verdict.p.flatten().tolist())
+            return target_pb2.TargetReply(verdict=out)
+        if kind == "rollback":
+            removed = self.svc.rollback(session, m.rollback.cache_len)
+            return target_pb2.TargetReply(
+                rolled_back=common_pb2.RolledBack(cache_len=session.length, removed=removed)
+            )
+        raise InvalidArgument("kind", "a target session takes open, verify or rollback")
+
+    async def Info(self, request, context):
+        return info_to_pb(self.svc.info)
+
+
+async def serve(
+    cfg: ModelServiceConfig, model=None, tokenizer=None
+) -> tuple[RunningServer, Verifier]:
+    """Load the target model and start its server; returns (server, domain)."""
+    svc = Verifier(cfg, model, tokenizer)
+    svc.start()
+    running = await start_server(
+        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(svc), s),
+        [SERVICE_NAME],
+        cfg.host,
+        cfg.port,
+        "target",
+        cfg.tls,
+    )
+    return running, svc

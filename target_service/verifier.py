@@ -1,0 +1,119 @@
+"""The target model's domain: sessions plus verification.
+
+One forward pass over the pending tokens and the drafts gives p at every
+drafted position and one past them; ``specdec.sampling.verify_draft`` turns
+that into p_i(x_i), q_i(x_i), a residual draw per position and a bonus draw.
+The orchestrator decides acceptance with its own uniforms.
+Not for: gRPC (``target_service.servicer``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import FailedPrecondition, require
+from specdec.model_service import MAX_GAMMA, ModelService
+from specdec.rng import uniforms
+from specdec.runtime.forward_loop import Job
+from specdec.runtime.ragged import Feed
+from specdec.sampling import SparseQ, Verdict, verify_draft
+from specdec.sessions import Session
+
+
+@dataclass
+class LastLogits:
+    """The logits a session's last pass computed after its last token: p for the
+    next position, kept so that a draft verified right after a fully accepted one
+    needs no pending token (overlapped speculation)."""
+
+    logits: torch.Tensor | None = None  # [vocab]
+    length: int = -1  # the cache length they follow
+
+
+class Verifier(ModelService):
+    """Sessions of the target model, and verification."""
+
+    def __init__(self, cfg, model=None, tokenizer=None) -> None:
+        super().__init__("target", cfg, model, tokenizer)
+
+    async def open(self, session_id: str, tokens, params, extra=None) -> Session:
+        return await super().open(session_id, tokens, params, extra=LastLogits())
+
+    def check_verify(self, session: Session, cache_len: int, pending, drafts) -> tuple[list, list]:
+        """Validated pending and drafted tokens (before anything changes)."""
+        pending = self.check_tokens("pending_tokens", pending)
+        drafts = self.check_tokens("draft_tokens", drafts)
+        require(len(drafts) <= MAX_GAMMA, "draft_tokens", f"at most {MAX_GAMMA} drafted tokens")
+        self.check_room("draft_tokens", cache_len + len(pending) + len(drafts))
+        return pending, drafts
+
+    async def verify(
+        self,
+        session: Session,
+        cache_len: int,
+        pending,
+        drafts,
+        qs: list[SparseQ],
+        seed: int,
+        dense_p: bool = False,
+        pit: bool = False,
+    ) -> Verdict:
+        """Roll back to ``cache_len``, then one forward over pending + drafts."""
+        pending, drafts = self.check_verify(session, cache_len, pending, drafts)
+        require(
+            len(qs) == len(drafts),
+            "draft_q",
+            f"needs one distribution per drafted token ({len(drafts)}), got {len(qs)}",
+        )
+        start = time.perf_counter()
+        last: LastLogits = session.extra
+        if not pending and (last.length != cache_len or last.logits is None):
+            raise FailedPrecondition(
+                f"pending_tokens: empty, but the session's last pass did not end at "
+                f"cache_len {cache_len} (it ended at {last.length})"
+            )
+        self.roll_back_to(session, cache_len)
+        kind = "verify" if drafts else "decode"
+        verdict = await self.run(
+            self._verify(session, pending, drafts, qs, seed, dense_p, pit), kind
+        )
+        self.sessions.update_gauges()
+        verdict.compute_s = time.perf_counter() - start
+        return verdict
+
+    def roll_back_to(self, session: Session, cache_len: int) -> int:
+        removed = super().roll_back_to(session, cache_len)
+        if removed:  # the kept logits followed a token that is gone now
+            session.extra.length = -1
+        return removed
+
+    def _verify(self, session, pending, drafts, qs, seed, dense_p, pit) -> Job:
+        gamma = len(drafts)
+        last: LastLogits = session.extra
+        forward = None
+        if pending:
+            logits = yield Feed(session.kv, pending + drafts, gamma + 1)  # [gamma + 1, vocab]
+            forward = self.loop.last_batch
+        else:  # p for x_1 was computed by the last pass
+            rows = [last.logits[None]]
+            if gamma:
+                rows.append((yield Feed(session.kv, drafts, gamma)))  # [gamma, vocab]
+                forward = self.loop.last_batch
+            logits = torch.cat(rows)  # [gamma + 1, vocab]
+        last.logits, last.length = logits[-1], session.length
+        verdict = verify_draft(
+            logits,
+            drafts,
+            qs,
+            session.params,
+            uniforms(seed, gamma + 1),
+            keep_p=dense_p,
+            pit=pit and not session.params.greedy,
+        )
+        verdict.cache_len = session.length
+        if forward is not None:
+            verdict.forward_s, verdict.batch_tokens = forward.seconds, forward.tokens
+        return verdict

@@ -1,0 +1,69 @@
+"""The adaptive policy's cost model: the choices the seed's formulas call for."""
+
+from __future__ import annotations
+
+from orchestrator.adaptive import CostModel, RequestPolicy
+from specdec.sampling import expected_tokens_per_step
+
+
+def model(target_a=0.010, target_b=0.0006, draft=0.001, rtt=0.0005, sessions=1.0) -> CostModel:
+    m = CostModel(max_gamma=16)
+    m.target_pass.a, m.target_pass.b = target_a, target_b
+    m.draft_pass.a, m.draft_pass.b = draft, 0.0
+    m.draft_extra_s.value = m.target_extra_s.value = 0.0
+    m.rtt_draft_s.value = m.rtt_target_s.value = rtt
+    m.target_sessions.value = sessions
+    return m
+
+
+def test_rate_is_the_formula_over_the_step_cost():
+    m = model()
+    cost = 0.0005 + 4 * 0.001 + 0.0005 + 0.010 + 0.0006 * 5
+    assert abs(m.rate(4, 0.8, False) - expected_tokens_per_step(0.8, 4) / cost) < 1e-9
+
+
+def test_better_drafts_get_more_gamma_and_useless_ones_none():
+    m = model()
+    good, _ = m.choose(0.9, 16, allow_overlap=False)
+    fair, _ = m.choose(0.6, 16, allow_overlap=False)
+    assert good > fair >= 1
+    assert m.choose(0.05, 16, allow_overlap=False)[0] == 0  # plain decoding wins
+
+
+def test_an_expensive_draft_or_network_moves_the_choice():
+    cheap = model(draft=0.0005).choose(0.8, 16, False)[0]
+    dear = model(draft=0.006).choose(0.8, 16, False)[0]
+    assert dear < cheap
+    # Round trips are paid per step: more of them favour longer steps.
+    assert model(rtt=0.010).choose(0.8, 16, False)[0] >= model(rtt=0.0).choose(0.8, 16, False)[0]
+
+
+def test_overlap_when_the_draft_can_hide_behind_the_verify():
+    gamma, overlap = model(rtt=0.005).choose(0.8, 16, allow_overlap=True)
+    assert overlap and gamma >= 1
+    m = model(rtt=0.005)
+    assert m.rate(gamma, 0.8, True) > m.rate(gamma, 0.8, False)
+
+
+def test_under_load_less_speculation_down_to_plain():
+    gammas = [model(sessions=n).choose(0.7, 16, False)[0] for n in (1, 4, 16, 64)]
+    assert gammas == sorted(gammas, reverse=True) and gammas[0] > gammas[-1]
+    assert gammas[-1] == 0, gammas
+
+
+def test_a_request_starts_at_the_pool_alpha_and_moves_to_its_own():
+    m = model()
+    m.alpha.value = 0.8
+    p = RequestPolicy(m, gamma=None, overlap=False)
+    assert abs(p.alpha - 0.8) < 1e-9
+    for _ in range(50):
+        p.observe(drafted=4, accepted=0)  # this request's drafts are always rejected
+    assert p.alpha < 0.2
+    assert p.choose(limit=16)[0] <= 1
+
+
+def test_fixed_gamma_is_kept_within_the_limit():
+    p = RequestPolicy(model(), gamma=5, overlap=True)
+    assert p.choose(limit=16) == (5, True)
+    assert p.choose(limit=2) == (2, True)
+    assert p.choose(limit=0) == (0, False)

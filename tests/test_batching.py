@@ -1,0 +1,192 @@
+"""Exactness does not depend on the batch (continuous batching across sessions).
+
+* 8 concurrent clients with prompts of very different lengths (1 to ~300
+  tokens: prefills cut into chunks, verifies and decode steps of several
+  sessions in one pass) each get exactly ``generate()``'s greedy output, and
+  the passes really were shared;
+* the same check against services with a planted padding error (each session
+  attends over as many keys as the longest session of its pass) fails;
+* the sampled distribution test passes while other clients load the services.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.runtime.loading import load_model
+from specdec.sampling import SamplingParams
+
+from .conftest import WIRE_TOP_K
+from .stack import local_stack
+from .test_statistical import check
+
+LENGTHS = (1, 3, 17, 40, 90, 150, 220, 300)
+NEW_TOKENS = 24
+
+BROKEN_SITE = """
+import torch
+import torch.nn.functional as F
+
+import specdec.runtime.ragged as ragged
+
+
+def attend(self, layer, query, scaling, window, softcap):
+    heads, n_total, dim = query.shape[1], query.shape[2], query.shape[3]
+    out = query.new_empty(1, n_total, heads, dim)
+    longest = max(s.past + s.new for s in self.segments)
+    for i, s in enumerate(self.segments):
+        # BROKEN: keys padded to the longest session of the pass, padding not masked
+        k = s.kv.keys[layer][None, :, :longest]
+        v = s.kv.values[layer][None, :, :longest]
+        q = query[:, :, s.start : s.start + s.new]
+        mask = None
+        if s.new > 1:
+            q_pos = torch.arange(s.past, s.past + s.new)[:, None]
+            mask = torch.arange(k.shape[2])[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
+        )
+        out[0, s.start : s.start + s.new] = o[0].transpose(0, 1)
+    return out
+
+
+ragged.RaggedBatch.attend = attend
+"""
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _references(target_dir, prompts) -> list[list[int]]:
+    model = load_model(str(target_dir))
+    out = []
+    for ids in prompts:
+        seq = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+        )
+        out.append(seq[0, len(ids) :].tolist())
+    return out
+
+
+def _concurrent_greedy(stack, prompts) -> list[list[int]]:
+    """All prompts at once (8 clients), each twice with different gammas."""
+    barrier = threading.Barrier(len(prompts))
+
+    def one(i: int) -> list[int]:
+        barrier.wait()  # start together, so that passes are shared
+        outs = []
+        for gamma in (i % 5, (i + 2) % 5):
+            ids, _, _ = stack.generate_raw(
+                prompt=prompts[i], max_new_tokens=NEW_TOKENS, temperature=0.0, gamma=gamma
+            )
+            outs.append(ids)
+        assert outs[0] == outs[1], (i, outs)
+        return outs[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def _shared_passes(stack, role: str) -> float:
+    """Forward passes that carried more than one session, so far."""
+    total = stack.metric(role, "specdec_model_batch_sessions_count", f'role="{role}"')
+    single = stack.metric(role, "specdec_model_batch_sessions_bucket", 'le="1.0"')
+    return total - single
+
+
+def test_concurrent_clients_with_mixed_lengths_get_generate_exactly(tmp_path, llama_pair):
+    draft, target = llama_pair
+    vocab = load_model(str(target)).config.vocab_size
+    prompts = _prompts(vocab)
+    want = _references(target, prompts)
+    # A small token budget, so that long prefills are cut into chunks between steps.
+    with local_stack(
+        tmp_path, draft, target, target__max_batch_tokens=64, draft__max_batch_tokens=64
+    ) as stack:
+        got = _concurrent_greedy(stack, prompts)
+        shared = _shared_passes(stack, "target")
+    for n, g, w in zip(LENGTHS, got, want, strict=True):
+        assert g == w, f"prompt of {n} tokens"
+    assert shared > 0, "no forward pass was shared: the test did not exercise batching"
+
+
+@pytest.mark.slow
+def test_a_planted_padding_error_is_caught(tmp_path, llama_pair):
+    draft, target = llama_pair
+    vocab = load_model(str(target)).config.vocab_size
+    prompts = _prompts(vocab)
+    want = _references(target, prompts)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BROKEN_SITE)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
+    )
+    with local_stack(
+        tmp_path / "stack",
+        draft,
+        target,
+        env=env,
+        target__max_batch_tokens=64,
+        draft__max_batch_tokens=64,
+    ) as stack:
+        got = _concurrent_greedy_tolerant(stack, prompts)
+    wrong = [n for n, g, w in zip(LENGTHS, got, want, strict=True) if g != w]
+    assert wrong, "the planted padding error went unnoticed"
+
+
+def _concurrent_greedy_tolerant(stack, prompts) -> list[list[int] | None]:
+    """As _concurrent_greedy, but a broken stack may disagree with itself: no assert."""
+    barrier = threading.Barrier(len(prompts))
+
+    def one(i: int):
+        barrier.wait()
+        ids, _, _ = stack.generate_raw(
+            prompt=prompts[i], max_new_tokens=NEW_TOKENS, temperature=0.0, gamma=i % 5
+        )
+        return ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+@pytest.mark.slow
+def test_sampling_follows_the_target_under_background_load(llama_stack, llama_pair):
+    stop = threading.Event()
+    prompts = _prompts(load_model(str(llama_pair[1])).config.vocab_size)
+
+    def background(i: int) -> int:
+        n = 0
+        while not stop.is_set():
+            llama_stack.generate_raw(
+                prompt=prompts[(i + n) % len(prompts)],
+                max_new_tokens=30,
+                temperature=[0.0, 1.0][n % 2],
+                gamma=n % 6,
+            )
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(3) as pool:
+        loads = [pool.submit(background, i) for i in range(3)]
+        try:
+            results = check(llama_stack, llama_pair, SamplingParams(1.0))
+        finally:
+            stop.set()
+        served = sum(f.result() for f in loads)
+    assert served > 10, "the background load did not run"
+    assert llama_stack.config["orchestrator"]["wire_top_k"] == WIRE_TOP_K
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"

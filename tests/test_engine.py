@@ -1,0 +1,58 @@
+"""The engine through in-process ports (no gRPC): fast checks of the loop itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specdec.runtime.loading import load_model, load_tokenizer
+
+from .inprocess import in_process
+
+
+def _reference(target_dir, ids: list[int], n: int) -> list[int]:
+    model = load_model(str(target_dir))
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=n,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def test_in_process_greedy_equals_generate_for_every_gamma(llama_pair):
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("in process")
+    want = _reference(target, ids, 24)
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            for gamma in (0, 1, 2, 4, 7):
+                got, _, stats = await system.generate(
+                    prompt=ids, max_new_tokens=24, temperature=0.0, gamma=gamma
+                )
+                assert got == want, gamma
+                assert stats.generated == 24 and stats.round_trips == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_same_seed_same_output_and_64_bit_seeds_differ(llama_pair, temperature):
+    draft, target = llama_pair
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            outs = {}
+            for seed in (5, 5, 5 + 2**32, 5 + 2**63):
+                ids, _, _ = await system.generate(
+                    prompt="seeds", max_new_tokens=20, temperature=temperature, seed=seed
+                )
+                outs.setdefault(seed, []).append(ids)
+            return outs
+
+    outs = asyncio.run(scenario())
+    assert outs[5][0] == outs[5][1]
+    if temperature:
+        assert len({tuple(v[0]) for v in outs.values()}) == 3

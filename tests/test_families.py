@@ -1,0 +1,185 @@
+"""Every tested model family, token for token against its own ``generate()``.
+
+Tiny random models of eight families (``tests.tiny.FAMILIES``): greedy output
+through the engine equals the target's own ``generate(do_sample=False)`` at
+gamma 1, 4 and 7; rolling a session back and extending it equals a fresh
+forward (float64), for sliding-window and hybrid families too, with sequences
+much longer than the window. A runtime that ignored the window or Gemma-2's
+soft-capping fails these comparisons and is refused by the start-up
+self-test; a family the runtime cannot serve (ALiBi, attention sinks) is
+refused when the service starts, naming the model type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specdec import cli
+from specdec.config import ModelServiceConfig
+from specdec.errors import Unsupported
+from specdec.runtime.loading import load_model, load_tokenizer
+from specdec.runtime.ragged import Feed, RaggedBatch, RaggedRunner, SessionKV
+from target_service.verifier import Verifier
+
+from .inprocess import in_process
+from .stack import write_config
+from .tiny import FAMILIES, WINDOW, build_family, build_family_pair
+
+PROMPT = "the families, all."  # 18 tokens; with the output, many windows long
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and several engineers share the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def family_pair(tmp_path_factory):
+    """family -> (draft dir, target dir), each built on first use."""
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, tuple] = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = build_family_pair(root, kind)
+        return built[kind]
+
+    return get
+
+
+def _generate(target_dir, ids: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation (its own attention and cache)."""
+    model = load_model(str(target_dir))
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=n,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_equals_the_models_own_generate(family_pair, kind):
+    draft, target = family_pair(kind)
+    ids = load_tokenizer(str(target)).encode(PROMPT)
+    assert len(ids) + NEW_TOKENS > 3 * WINDOW
+    want = _generate(target, ids, NEW_TOKENS)
+
+    async def scenario():
+        drafted = accepted = 0
+        async with in_process(draft, target, draft_timeout_s=60) as system:
+            for gamma in (1, 4, 7):
+                got, _, stats = await system.generate(
+                    prompt=ids, max_new_tokens=NEW_TOKENS, temperature=0.0, gamma=gamma
+                )
+                assert got == want, (kind, gamma)
+                assert stats.generated == NEW_TOKENS and stats.finish_reason == "length"
+                drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        # Drafts were both accepted and rejected: both cache paths ran.
+        assert 0 < accepted < drafted, kind
+
+    asyncio.run(scenario())
+
+
+def _fresh(model, tokens: list[int], n: int) -> torch.Tensor:
+    """The model's own logits (its default attention, no cache) at the last n positions."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -n:]
+
+
+def _rollback_error(runner: RaggedRunner, reference) -> float:
+    """Largest logit difference from fresh forwards after rollbacks and a packed forward."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, runner.vocab_size, (40,), generator=g).tolist()
+    other = torch.randint(0, runner.vocab_size, (12,), generator=g).tolist()
+    short = tokens[:6]
+    a, b = SessionKV(), SessionKV()
+    runner.forward([Feed(a, tokens[:25], 0)])
+    runner.forward([Feed(a, other, 1)])  # a rejected draft, longer than the window
+    a.truncate(25)
+    # Session a extends after its rollback while session b prefills, in one packed forward.
+    extended, packed = runner.forward([Feed(a, tokens[25:], 15), Feed(b, short, 3)])  # [15, V]
+    a.truncate(31)
+    (decoded,) = runner.forward([Feed(a, tokens[31:32], 1)])  # one decode step
+    pairs = [
+        (extended, _fresh(reference, tokens, 15)),
+        (packed, _fresh(reference, short, 3)),
+        (decoded, _fresh(reference, tokens[:32], 1)),
+    ]
+    return max(float((got - want).abs().max()) for got, want in pairs)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_rollback_then_extend_equals_a_fresh_forward(family_pair, kind):
+    _, target = family_pair(kind)
+    reference = load_model(str(target), dtype="float64")
+    runner = RaggedRunner(load_model(str(target), dtype="float64"))
+    assert _rollback_error(runner, reference) <= 1e-10
+
+
+BROKEN = [
+    ("mistral", "window"),
+    ("qwen2", "window"),
+    ("phi3", "window"),
+    ("gemma2", "window"),
+    ("gemma2", "softcap"),
+]
+
+
+@pytest.mark.parametrize("kind,ignored", BROKEN, ids=[f"{k}-{i}" for k, i in BROKEN])
+def test_a_runtime_that_ignores_the_window_or_softcap_is_caught(
+    family_pair, kind, ignored, monkeypatch
+):
+    """The planted bug: attend as if the model had no sliding window (or no soft-cap).
+    The exact comparison above must fail and the start-up self-test must refuse it."""
+    _, target = family_pair(kind)
+    reference = load_model(str(target), dtype="float64")
+    runner = RaggedRunner(load_model(str(target), dtype="float64"))
+    attend = RaggedBatch.attend
+
+    def broken(self, layer, query, scaling, window, softcap):
+        if ignored == "window":
+            window = None
+        else:
+            softcap = None
+        return attend(self, layer, query, scaling, window, softcap)
+
+    monkeypatch.setattr(RaggedBatch, "attend", broken)
+    assert _rollback_error(runner, reference) > 1e-3
+    with pytest.raises(Unsupported, match=f"model type {kind} .*differs from the model's own"):
+        RaggedRunner(load_model(str(target), dtype="float64"))
+
+
+def test_an_unsupported_family_is_refused_at_start_up(tmp_path, capsys):
+    """Bloom (ALiBi) cannot run in the ragged runtime: the target service refuses to
+    start, naming the model type, instead of failing its first request."""
+    bloom = build_family("bloom", tmp_path / "bloom", layers=1, width=32)
+    with pytest.raises(Unsupported, match="model type bloom"):
+        Verifier(ModelServiceConfig(model=str(bloom)))
+
+    # torch_threads 0: leave this test process's thread count alone.
+    path, _ = write_config(tmp_path, bloom, bloom, target__torch_threads=0)
+    assert cli.main(["serve", "target", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "model type bloom (BloomForCausalLM)" in err, err
+
+
+def test_attention_sinks_are_refused_at_start_up():
+    """gpt-oss adds a learned sink logit to every attention row: refused by name."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(
+        vocab_size=73, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["full_attention"],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(Unsupported, match="model type gpt_oss .*s_aux"):
+        RaggedRunner(model)

@@ -1,0 +1,234 @@
+"""Overlapped speculation (the draft drafts block k+1 while the target verifies
+block k) keeps the output exactly the target's.
+
+* exact: the emitted distribution of a two-block pipelined step, built from
+  the same pieces the engine uses (min(1, p/q) acceptance and
+  ``residual_distribution``), equals p in float64; a pipeline that also emits
+  the bonus when it chains does not;
+* greedy: equal to ``generate()`` for every gamma, overlapped or not;
+* statistical, through the gRPC services: the tokens at positions 1, 2 and 3
+  of requests that chain (gamma 1, every draft drafted ahead) follow the
+  target's marginals; the same test run against an orchestrator that takes
+  the first token of a block drafted ahead without testing it must fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.runtime.loading import load_model, load_tokenizer
+from specdec.sampling import SamplingParams, probs_from_logits, residual_distribution
+
+from .conftest import WIRE_TOP_K
+from .inprocess import in_process
+from .stack import local_stack
+from .stats import tv, tv_threshold
+
+# ---- exact: the pipelined step's output distribution ----------------------------------------
+
+
+def _tables(vocab: int, seed: int):
+    """p and q for three positions: p1 [V], p2 [V, V] (row = t1), p3 [V, V, V]; q alike."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(*shape):
+        return (torch.randn(*shape, vocab, generator=g, dtype=torch.float64) * 2).softmax(-1)
+
+    p = rows(), rows(vocab), rows(vocab, vocab)
+    q = rows(), rows(vocab), rows(vocab, vocab)
+    return p, q
+
+
+def _one_position(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The emitted distribution of one speculated position: accept x ~ q with
+    probability min(1, p(x)/q(x)), else draw from ``residual_distribution``."""
+    accepted = torch.minimum(p, q)
+    return accepted + (1.0 - accepted.sum()) * residual_distribution(p, q)
+
+
+def pipelined_joint(p, q, broken: bool = False) -> torch.Tensor:
+    """P(t1, t2, t3) with gamma 1 and one block drafted ahead at every step.
+
+    x ~ q1 is verified against p1 while y ~ q2[x] is drafted ahead. If x is
+    accepted the step chains: y takes position 2, tested against p2[x] (the p the
+    target computed after x), and position 3 comes from the next verdict (exact
+    from there on, by the sequential identity). If x is rejected, t1 is the
+    residual draw, y is discarded and the next steps are ordinary ones.
+    ``broken``: on chaining, the bonus b ~ p2[x] is emitted too, so y (tested
+    against p2[x]) lands at position 3 where p3[x, b] was due.
+    """
+    (p1, p2, p3), (q1, q2, _) = p, q
+    vocab = p1.shape[0]
+    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    accepted = torch.minimum(p1, q1)
+    rejected = 1.0 - accepted.sum()
+    r1 = residual_distribution(p1, q1)
+    for x in range(vocab):
+        if broken:
+            # t2 = b ~ p2[x]; t3 = y, distributed as the speculated p2[x].
+            joint[x] += accepted[x] * p2[x][:, None] * _one_position(p2[x], q2[x])[None, :]
+        else:
+            # t2 = y tested against p2[x]; t3 exact: p3[x, t2].
+            joint[x] += accepted[x] * _one_position(p2[x], q2[x])[:, None] * p3[x]
+    joint += rejected * r1[:, None, None] * p2[:, :, None] * p3
+    return joint
+
+
+def _want(p) -> torch.Tensor:
+    p1, p2, p3 = p
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pipelined_step_emits_exactly_p(seed):
+    p, q = _tables(5, seed)
+    torch.testing.assert_close(pipelined_joint(p, q), _want(p), rtol=0, atol=1e-12)
+
+
+def test_the_identity_catches_a_pipeline_that_also_emits_the_bonus():
+    p, q = _tables(5, 0)
+    broken = pipelined_joint(p, q, broken=True)
+    assert abs(float(broken.sum()) - 1.0) < 1e-12  # still a distribution ...
+    assert (broken - _want(p)).abs().max() > 1e-3  # ... but not the target's
+
+
+# ---- greedy: every gamma, overlapped or not ---------------------------------------------------
+
+
+def _reference(target_dir, ids: list[int], n: int) -> list[int]:
+    model = load_model(str(target_dir))
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=n,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_equals_generate_overlapped_or_not(llama_pair):
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("we shall overlap")
+    want = _reference(target, ids, 30)
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            chained = 0
+            for gamma in (1, 2, 3, 5, 8):
+                for overlap in (False, True):
+                    got, _, stats = await system.generate(
+                        prompt=ids, max_new_tokens=30, temperature=0.0, gamma=gamma, overlap=overlap
+                    )
+                    assert got == want, (gamma, overlap)
+                    if not overlap:
+                        assert stats.overlapped_steps == 0
+                    chained += stats.overlapped_steps
+            # With the target as its own draft every draft is accepted, so steps chain.
+            async with in_process(target, target) as same:
+                _, _, stats = await same.generate(
+                    prompt=ids, max_new_tokens=30, temperature=0.0, gamma=3, overlap=True
+                )
+            return chained, stats
+
+    chained, stats = asyncio.run(scenario())
+    assert stats.overlapped_steps >= 4 and stats.accepted == stats.drafted
+
+
+# ---- statistical, through gRPC ---------------------------------------------------------------
+
+N = 1500
+PROMPT = [3, 7, 1, 4, 0, 12]
+BROKEN_SITE = """
+import orchestrator.engine as engine
+
+_settle = engine.settle
+
+
+def settle(target, draft, drafts, verdict, u, chain=False):
+    if drafts and not target.pending:
+        # BROKEN: a draft drafted ahead was made "as if accepted": take its first
+        # token without testing it against the p kept for that position.
+        u = [0.0] + list(u[1:])
+    return _settle(target, draft, drafts, verdict, u, chain=chain)
+
+
+engine.settle = settle
+"""
+
+
+def _exact_positions(pair, params: SamplingParams):
+    """The target's marginals at positions 1, 2 and 3 after PROMPT: [V] each."""
+    draft_dir, target_dir = pair
+    target = load_model(str(target_dir))
+    vocab = target.config.vocab_size
+    grid = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # [V*V, 2]
+    seqs = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
+    with torch.no_grad():
+        tl = torch.cat([target(chunk).logits[:, -3:].float() for chunk in seqs.split(512)])
+    p1 = probs_from_logits(tl[0, 0], params).double()  # [V]
+    p2 = probs_from_logits(tl[::vocab, 1], params).double()  # [V, V], row = t1
+    p3 = probs_from_logits(tl[:, 2], params).double().reshape(vocab, vocab, vocab)
+    m2 = p1 @ p2
+    m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    return p1, m2, m3
+
+
+def _sample(stack, params: SamplingParams):
+    def one(seed):
+        ids, _, st = stack.generate_raw(
+            prompt=PROMPT,
+            max_new_tokens=4,
+            temperature=params.temperature,
+            gamma=1,
+            overlap=True,
+            seed=seed,
+        )
+        return ids[0], ids[1], ids[2], st.overlapped_steps
+
+    with ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(one, range(N)))
+    x1, x2, x3, chained = (torch.tensor(col) for col in zip(*rows, strict=True))
+    return x1, x2, x3, int((chained > 0).sum())
+
+
+def _check(stack, pair, params):
+    p1, p2, p3 = _exact_positions(pair, params)
+    x1, x2, x3, chained = _sample(stack, params)
+    results = {
+        "position 1": (tv(x1, p1), tv_threshold(p1, N)),
+        "position 2": (tv(x2, p2), tv_threshold(p2, N)),
+        "position 3": (tv(x3, p3), tv_threshold(p3, N)),
+    }
+    print({k: f"tv {d:.4f} (threshold {t:.4f})" for k, (d, t) in results.items()}, chained)
+    return results, chained
+
+
+@pytest.mark.slow
+def test_overlapped_sampling_follows_the_target(llama_stack, llama_pair):
+    results, chained = _check(llama_stack, llama_pair, SamplingParams(1.0))
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+@pytest.mark.slow
+def test_a_pipeline_that_skips_the_chained_test_fails_the_same_test(tmp_path, llama_pair):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BROKEN_SITE)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
+    )
+    with local_stack(
+        tmp_path / "stack", *llama_pair, env=env, orchestrator__wire_top_k=WIRE_TOP_K
+    ) as broken:
+        results, _ = _check(broken, llama_pair, SamplingParams(1.0))
+    failed = [k for k, (d, t) in results.items() if d >= t]
+    assert failed, f"the broken pipeline passed: {results}"

@@ -1,0 +1,95 @@
+"""The wire codec (specdec.wire): what goes in comes out, at a 151,936-token
+vocabulary too (ids beyond 2^16 escape), and the draft's proposal stays exact
+through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.errors import InvalidArgument
+from specdec.rng import generator
+from specdec.sampling import SamplingParams, SparseQ, quantize, sparse_q
+from specdec.wire import pack_q, unpack_q
+
+from .stats import tv, tv_threshold
+
+QWEN_VOCAB = 151_936
+
+
+@st.composite
+def sparse_qs(draw, vocab: int, bits: int):
+    k = draw(st.integers(1, min(300, vocab)))
+    ids = np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=k, max_size=k, unique=True)))
+    weights = np.array(draw(st.lists(st.integers(1, 1000), min_size=k, max_size=k)), float)
+    tail = draw(st.booleans()) and k < vocab
+    probs = np.sort(weights / weights.sum() * (0.9 if tail else 1.0))[::-1]
+    return quantize(ids, probs, vocab, eps=0.0, bits=bits, keep_tail=tail)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_pack_unpack_round_trip(data):
+    vocab = data.draw(st.sampled_from([73, 4096, 65_537, QWEN_VOCAB]))
+    bits = data.draw(st.sampled_from([8, 16, 24, 30]))  # one per session
+    qs = [data.draw(sparse_qs(vocab, bits)) for _ in range(data.draw(st.integers(1, 5)))]
+    drafts = [int(q.ids[np.argmax(q.counts)]) for q in qs]
+    back = unpack_q(pack_q(qs), vocab, drafts)
+    for q, b in zip(qs, back, strict=True):
+        order = np.argsort(q.ids)
+        assert b.ids.tolist() == q.ids[order].tolist()
+        assert b.counts.tolist() == q.counts[order].tolist()
+        assert (b.tail, b.bits, b.vocab) == (q.tail, q.bits, q.vocab)
+        for x in drafts:
+            assert b.prob(x) == q.prob(x)
+
+
+def test_large_vocabulary_proposal_is_exact_and_compact():
+    """A flat random model's q over 151,936 tokens: the draft's SparseQ, through the
+    codec, is still the distribution its tokens are drawn from; and it stays small."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(QWEN_VOCAB, generator=g) * 0.5  # a tiny random model: nearly flat
+    q = sparse_q(logits, SamplingParams(1.0), max_entries=64, eps=0.0)
+    assert q.tail > 0 and max(q.ids) > 65_535 or q.tail > 0
+    rng = generator(3)
+    draws = [q.sample(rng) for _ in range(2000)]
+    (back,) = unpack_q(pack_q([q]), QWEN_VOCAB, draws[:1])
+    assert all(back.prob(x) > 0 for x in draws)
+    # Exactness: the empirical distribution of the draws, coarsened to the listed
+    # tokens vs the tail, matches q.
+    listed = set(q.ids.tolist())
+    in_list = np.array([x in listed for x in draws])
+    p_list = q.counts.sum() / q.scale
+    counts = torch.tensor([int(in_list.sum()), int((~in_list).sum())])
+    expected = torch.tensor([p_list, 1 - p_list], dtype=torch.float64)
+    assert tv(torch.repeat_interleave(torch.arange(2), counts), expected) < tv_threshold(
+        expected, len(draws)
+    )
+    assert pack_q([q]).ByteSize() < 1024  # 64 listed ids > 2^16 with escapes
+
+
+def test_bad_packings_are_refused_naming_the_field():
+    q = quantize(np.array([3, 9]), np.array([0.6, 0.4]), 20, 0.0, 16, keep_tail=False)
+    pb = pack_q([q])
+    with pytest.raises(InvalidArgument, match=r"^draft_q: needs one distribution"):
+        unpack_q(pb, 20, [3, 3])
+    with pytest.raises(InvalidArgument, match=r"^draft_q\[0\]: token id 9 outside"):
+        unpack_q(pb, 5, [3])
+    with pytest.raises(InvalidArgument, match=r"^draft_q\[0\]: drafted token 4 has q = 0"):
+        unpack_q(pb, 20, [4])
+    pb.tails[0] = 5
+    with pytest.raises(InvalidArgument, match=r"^draft_q\[0\]: counts"):
+        unpack_q(pb, 20, [3])
+    bad_bits = pack_q([q])
+    bad_bits.bits = 40
+    with pytest.raises(InvalidArgument, match=r"^draft_q\.bits"):
+        unpack_q(bad_bits, 20, [3])
+
+
+def test_point_mass_for_greedy():
+    q = SparseQ.point(70_000, QWEN_VOCAB)
+    (back,) = unpack_q(pack_q([q]), QWEN_VOCAB, [70_000])
+    assert back.prob(70_000) == 1.0 and back.tail == 0
