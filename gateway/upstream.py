@@ -34,11 +34,18 @@ class Stream:
     first: orchestrator_pb2.GenerateResponse
 
     async def messages(self) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
-        """Every message, the first included; the last one carries the statistics."""
+        """Every message, the first included; the last one carries the statistics.
+
+        After the statistics it waits for the call's status: the orchestrator may
+        still be finishing the request (closing sessions), and the cancel that
+        frees a disconnected client's sessions must not land on a finished
+        request (which would count as CANCELLED there).
+        """
         message = self.first
         while True:
             yield message
             if message.HasField("stats"):
+                await self.call.code()
                 return
             message = await self.call.read()
             if message is grpc.aio.EOF:

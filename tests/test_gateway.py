@@ -233,6 +233,25 @@ def test_models_and_health(gw):
 
 
 # ---- cancellation -------------------------------------------------------------------------
+def test_finished_requests_end_ok_at_the_orchestrator(gw, llama_stack):
+    """The gateway waits for each call's status: a request it has answered is never
+    cancelled afterwards (which the orchestrator would count as CANCELLED)."""
+
+    def count(code: str) -> float:
+        return llama_stack.metric("orchestrator", "specdec_requests_total", f'code="{code}"')
+
+    ok, cancelled = count("OK"), count("CANCELLED")
+    c = client(gw)
+    c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
+    list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True))
+    list(c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, stream=True))
+    time.sleep(0.5)  # the orchestrator counts a request as its handler returns
+    assert count("CANCELLED") == cancelled
+    assert count("OK") == ok + 4
+
+
+# ---- cancellation -------------------------------------------------------------------------
 def test_a_client_disconnect_cancels_the_grpc_call_and_frees_the_sessions(gw, llama_stack):
     def cancelled() -> float:
         return llama_stack.metric("orchestrator", "specdec_requests_total", 'code="CANCELLED"')
