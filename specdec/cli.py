@@ -1,7 +1,7 @@
-"""The ``specdec`` command: serve one service, start all three locally, or generate.
+"""The ``specdec`` command: serve one service, start them all locally, or generate.
 
-specdec serve draft|target|orchestrator [--config FILE] [--set section.key=value ...]
-specdec up        [--config FILE] [--set ...]      # all three on this machine
+specdec serve draft|target|orchestrator|gateway [--config FILE] [--set section.key=value ...]
+specdec up        [--config FILE] [--set ...]      # all four on this machine
 specdec generate  "prompt" [--address HOST:PORT] [--max-new-tokens N] ...
 specdec demo      [--config FILE]                  # up, plain vs speculative, samples, stop
 """
@@ -19,10 +19,10 @@ import grpc
 
 from specdec.config import ConfigError, load_config
 from specdec.errors import SpecdecError
-from specdec.local.stack import start_local, stop_local
+from specdec.local.stack import gateway_url, start_local, stop_local
 
 log = logging.getLogger("specdec")
-ROLES = ("draft", "target", "orchestrator")
+ROLES = ("draft", "target", "orchestrator", "gateway")
 
 
 def _config_args(ap: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service")
     serve.add_argument("role", choices=ROLES)
     _config_args(serve)
-    up = sub.add_parser("up", help="run draft, target and orchestrator on this machine")
+    up = sub.add_parser("up", help="run draft, target, orchestrator and gateway on this machine")
     _config_args(up)
     gen = sub.add_parser("generate", help="stream a completion from an orchestrator")
     gen.add_argument("prompt")
@@ -83,6 +83,15 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
     cfg = load_config(config_path, overrides)
     section = getattr(cfg, role)
+    if role == "gateway":
+        from gateway.service import serve as serve_gateway
+        from gateway.service import serve_until_signal as gateway_until_signal
+
+        gateway = await serve_gateway(cfg)
+        metrics.serve_metrics(role, section.metrics_port, section.host)
+        print(f"specdec gateway ready on {section.host}:{gateway.port}", flush=True)
+        await gateway_until_signal(gateway, section.grace_period_s)
+        return
     if role == "draft":
         from draft_service.servicer import serve
 
@@ -106,11 +115,11 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
 # ---- up -----------------------------------------------------------------------------
 def _up(config_path: str | None, overrides: list[str]) -> None:
-    procs = start_local(config_path, overrides)
+    procs = start_local(config_path, overrides, gateway=True)
     cfg = load_config(config_path, overrides)
     print(
-        f"specdec is up: orchestrator {cfg.orchestrator.host}:{cfg.orchestrator.port} "
-        "(Ctrl-C stops all three)",
+        f"specdec is up: orchestrator (gRPC) {cfg.orchestrator.host}:{cfg.orchestrator.port}, "
+        f"OpenAI-compatible API {gateway_url(cfg, '/v1')} (Ctrl-C stops all four)",
         flush=True,
     )
     try:

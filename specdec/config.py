@@ -22,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+CHAT_TEMPLATES = ("model", "plain-text")
 
 
 class ConfigError(ValueError):
@@ -141,6 +142,41 @@ class OrchestratorConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """The OpenAI-compatible HTTP gateway: a client of the orchestrator's public API.
+
+    Bearer tokens are the orchestrator's (``orchestrator.auth_tokens``): one list
+    of tokens for both ways of calling specdec.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    metrics_port: int = 9103
+    # The orchestrator's API: "host:port", or "dns:///name:port" for every address
+    # a name resolves to (requests are spread round-robin over them).
+    orchestrator_address: str = "127.0.0.1:50050"
+    # Client TLS towards the orchestrator (ca; cert/key for mutual TLS).
+    orchestrator_tls: TlsConfig = field(default_factory=TlsConfig)
+    # Server TLS for HTTPS; with ca, clients must present a certificate.
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    # The model name clients send and see; empty uses the target's model id.
+    model_name: str = ""
+    # max_tokens of a chat request that sets none (a completion's default is 16, as OpenAI's).
+    default_max_tokens: int = 256
+    # How chat messages become a prompt: "model" (the target tokenizer's chat
+    # template, rendered by the orchestrator) or "plain-text" ("role: content"
+    # lines and "assistant:", for a model without a template).
+    chat_template: str = "model"
+    # Deadline of one Generate call, in seconds.
+    request_timeout_s: float = 600.0
+    # Largest request body accepted, in bytes.
+    max_body_bytes: int = 1024 * 1024
+    # Seconds to wait at start-up for the orchestrator to answer Info.
+    connect_timeout_s: float = 120.0
+    grace_period_s: float = 10.0
+
+
+@dataclass
 class Config:
     draft: ModelServiceConfig = field(
         default_factory=lambda: ModelServiceConfig(port=50051, metrics_port=9101)
@@ -149,6 +185,7 @@ class Config:
         default_factory=lambda: ModelServiceConfig(port=50052, metrics_port=9102)
     )
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 _POSITIVE = {
@@ -165,6 +202,9 @@ _POSITIVE = {
     "max_message_bytes",
     "max_batch_tokens",
     "monitor_window",
+    "default_max_tokens",
+    "request_timeout_s",
+    "max_body_bytes",
 }
 _NON_NEGATIVE = {
     "port",
@@ -237,8 +277,11 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     return obj
 
 
+SECTIONS = ("draft", "target", "orchestrator", "gateway")
+
+
 def _validate(cfg: Config) -> None:
-    for section in ("draft", "target", "orchestrator"):
+    for section in SECTIONS:
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
@@ -257,6 +300,11 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{section}.dtype: must be one of {DTYPES}, got {sub.dtype!r}")
         if not sub.model:
             raise ConfigError(f"{section}.model: required (a local model directory)")
+    if cfg.gateway.chat_template not in CHAT_TEMPLATES:
+        raise ConfigError(
+            f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "
+            f"got {cfg.gateway.chat_template!r}"
+        )
     orch = cfg.orchestrator
     if not 0.0 <= orch.monitor_fraction <= 1.0:
         raise ConfigError(
@@ -273,7 +321,7 @@ def _validate(cfg: Config) -> None:
 
 def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
     out = []
-    for section in ("draft", "target", "orchestrator"):
+    for section in SECTIONS:
         prefix = f"SPECDEC_{section.upper()}_"
         for name, value in env.items():
             # Kubernetes service links (SPECDEC_DRAFT_PORT=tcp://..., *_SERVICE_HOST)

@@ -1,8 +1,9 @@
-"""Prometheus metrics of all three services, declared in one place.
+"""Prometheus metrics of all four services, declared in one place.
 
 Each process exposes only its own role's metrics: the orchestrator's, or
 the model services' (plus the RPC and build-info metrics every server has),
-through ``ORCHESTRATOR_REGISTRY`` / ``MODEL_REGISTRY``.
+through ``ORCHESTRATOR_REGISTRY`` / ``MODEL_REGISTRY``; the HTTP gateway its
+own and build info through ``GATEWAY_REGISTRY``.
 
 Names follow Prometheus conventions: one ``specdec_`` prefix, base units,
 ``_total`` on counters, histograms rather than summaries, and only bounded
@@ -220,6 +221,33 @@ SESSION_EVICTIONS = Counter(
     registry=None,
 )
 
+# ---- HTTP gateway ----------------------------------------------------------------
+# endpoint is the route ("/v1/completions", ..., "other" for unknown paths) and
+# status the HTTP status code: both bounded.
+GATEWAY_REQUESTS = Counter(
+    "specdec_gateway_requests_total",
+    "HTTP requests by endpoint and status code.",
+    ["endpoint", "status"],
+    registry=None,
+)
+GATEWAY_REQUEST_DURATION = Histogram(
+    "specdec_gateway_request_duration_seconds",
+    "HTTP request duration by endpoint, until the last byte of the response.",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+    registry=None,
+)
+GATEWAY_TIME_TO_FIRST_BYTE = Histogram(
+    "specdec_gateway_time_to_first_byte_seconds",
+    "Streamed requests: from the request to the first event with generated text.",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+    registry=None,
+)
+GATEWAY_LIVE_REQUESTS = Gauge(
+    "specdec_gateway_live_requests", "HTTP requests in progress.", registry=None
+)
+
 # ---- every server (one interceptor) ------------------------------------------------
 RPC_DURATION = Histogram(
     "specdec_rpc_duration_seconds",
@@ -286,6 +314,13 @@ _MODEL_METRICS = (
     QUEUE_WAIT,
 )
 _SERVER_METRICS = (RPC_DURATION, RPC_HANDLED, BUILD_INFO)
+_GATEWAY_METRICS = (
+    GATEWAY_REQUESTS,
+    GATEWAY_REQUEST_DURATION,
+    GATEWAY_TIME_TO_FIRST_BYTE,
+    GATEWAY_LIVE_REQUESTS,
+    BUILD_INFO,
+)
 
 
 def _registry(collectors) -> CollectorRegistry:
@@ -297,10 +332,13 @@ def _registry(collectors) -> CollectorRegistry:
 
 ORCHESTRATOR_REGISTRY = _registry(_ORCHESTRATOR_METRICS + _SERVER_METRICS)
 MODEL_REGISTRY = _registry(_MODEL_METRICS + _SERVER_METRICS)
+GATEWAY_REGISTRY = _registry(_GATEWAY_METRICS)
 
 
 def registry_for(role: str) -> CollectorRegistry:
     """The metrics a process of this role exposes."""
+    if role == "gateway":
+        return GATEWAY_REGISTRY
     return ORCHESTRATOR_REGISTRY if role == "orchestrator" else MODEL_REGISTRY
 
 

@@ -25,10 +25,19 @@ REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = ("demo", "gpu")
 NAMESPACE = "specdec"
 K8S_VERSION = "1.30.0"
-COMPONENTS = ("draft", "target", "orchestrator")
-# Ports fixed by the project: (gRPC, metrics) per component.
-PORTS = {"orchestrator": (50050, 9100), "draft": (50051, 9101), "target": (50052, 9102)}
+COMPONENTS = ("draft", "target", "orchestrator", "gateway")
+# Ports fixed by the project: (gRPC or HTTP, metrics) per component.
+PORTS = {
+    "orchestrator": (50050, 9100),
+    "draft": (50051, 9101),
+    "target": (50052, 9102),
+    "gateway": (8000, 9103),
+}
+# The name of each component's serving port: the gateway speaks HTTP, the others gRPC.
+SERVING_PORT = {"gateway": "http"}
 IMAGES = {"demo": "specdec:cpu", "gpu": "specdec:cuda"}
+# The gateway's own image (Dockerfile.cpu --target gateway), the same in every overlay.
+GATEWAY_IMAGE = "specdec-gateway:0.1.0"
 CONFIG_MOUNT = "/etc/specdec"
 CUSTOM_GROUPS = ("monitoring.coreos.com/",)
 UID = 10001
@@ -174,12 +183,15 @@ def test_render_has_every_piece(objs):
         ("Service", "specdec-target"),
         ("Service", "specdec-draft-headless"),
         ("Service", "specdec-target-headless"),
+        ("Service", "specdec-orchestrator-headless"),
+        ("Service", "specdec-gateway"),
         ("HorizontalPodAutoscaler", "specdec-orchestrator"),
+        ("HorizontalPodAutoscaler", "specdec-gateway"),
         ("PrometheusRule", "specdec"),
     ]:
         assert needed in kinds, f"missing {needed[0]}/{needed[1]}"
     _deployments(objs)
-    assert len(_of(objs, "PodDisruptionBudget")) == 3
+    assert len(_of(objs, "PodDisruptionBudget")) == len(COMPONENTS)
     assert _of(objs, "ServiceMonitor") or _of(objs, "PodMonitor")
     names = [(o["kind"], o["metadata"]["name"]) for o in objs]
     assert len(names) == len(set(names)), "duplicate objects"
@@ -227,7 +239,14 @@ def test_containers_probes_resources_security(objs):
                 assert kind in c, f"{where}: no {kind}"
                 handler, port = _probe_port(c[kind])
                 assert port in ports, f"{where}: {kind} port {port} not declared"
-                assert handler == "grpc", f"{where}: {kind} should use the gRPC health service"
+                if comp == "gateway":
+                    # HTTP: ready = /health (orchestrator reachable), alive = /health/live.
+                    path = "/health" if kind == "readinessProbe" else "/health/live"
+                    assert handler == "httpGet", f"{where}: {kind} should be an HTTP probe"
+                    assert c[kind]["httpGet"]["path"] == path, f"{where}: {kind} path"
+                    assert ports[port] == ports["http"], f"{where}: {kind} not on the http port"
+                else:
+                    assert handler == "grpc", f"{where}: {kind} should use the gRPC health service"
             res = c.get("resources") or {}
             for key in ("cpu", "memory"):
                 req, lim = res.get("requests", {}).get(key), res.get("limits", {}).get(key)
@@ -253,7 +272,8 @@ def test_containers_probes_resources_security(objs):
 def test_images_and_commands(objs, overlay):
     for comp, d in _deployments(objs).items():
         (c,) = _pod_spec(d)["containers"]
-        assert c["image"] == IMAGES[overlay], f"{comp}: image {c['image']}"
+        image = GATEWAY_IMAGE if comp == "gateway" else IMAGES[overlay]
+        assert c["image"] == image, f"{comp}: image {c['image']}"
         assert c.get("args", [])[:2] == ["serve", comp], f"{comp}: args {c.get('args')}"
         assert "command" not in c, f"{comp}: keep the image ENTRYPOINT (specdec)"
 
@@ -293,19 +313,24 @@ def test_config_loads_and_matches_manifests(objs, overlay):
         (c,) = _pod_spec(deps[comp])["containers"]
         ports = _container_ports(c)
         assert (section.port, section.metrics_port) == PORTS[comp], comp
-        assert ports.get("grpc") == section.port, f"{comp}: grpc port != {comp}.port"
+        serving = SERVING_PORT.get(comp, "grpc")
+        assert ports.get(serving) == section.port, f"{comp}: {serving} port != {comp}.port"
         assert ports.get("metrics") == section.metrics_port, f"{comp}: metrics port"
     services = {s["metadata"]["name"]: s for s in _of(objs, "Service")}
-    for key, comp in (("draft_address", "draft"), ("target_address", "target")):
-        address = getattr(cfg.orchestrator, key).removeprefix("dns:///")
+    for section, key, comp in (
+        ("orchestrator", "draft_address", "draft"),
+        ("orchestrator", "target_address", "target"),
+        ("gateway", "orchestrator_address", "orchestrator"),
+    ):
+        address = getattr(getattr(cfg, section), key).removeprefix("dns:///")
         host, port = address.rsplit(":", 1)
         name = host.split(".")[0]
-        assert name in services, f"orchestrator.{key}: no Service {name}"
+        assert name in services, f"{section}.{key}: no Service {name}"
         assert int(port) in [p["port"] for p in services[name]["spec"]["ports"]], key
         assert _matches(
             {"matchLabels": services[name]["spec"]["selector"]},
             deps[comp]["spec"]["template"]["metadata"]["labels"],
-        ), f"orchestrator.{key}: Service {name} does not select the {comp} pods"
+        ), f"{section}.{key}: Service {name} does not select the {comp} pods"
     for comp in ("draft", "target"):
         section = getattr(cfg, comp)
         assert section.model.startswith("/"), f"{comp}.model must be absolute"
@@ -342,7 +367,7 @@ def test_services_select_pods_on_declared_ports(objs):
             target = p.get("targetPort", p["port"])
             assert target in ports, f"Service {name}: targetPort {target} not declared"
             assert ports[target] == p["port"], f"Service {name}: port {p['port']} != container port"
-    for comp in ("draft", "target"):
+    for comp in ("draft", "target", "orchestrator"):
         h = _one(objs, "Service", f"specdec-{comp}-headless")
         assert h["spec"].get("clusterIP") == "None"
         assert h["spec"].get("publishNotReadyAddresses", False) is False
@@ -464,6 +489,6 @@ def test_gpu_scheduling(objs, overlay):
         for v in claims:
             assert v["persistentVolumeClaim"]["claimName"] in pvc_names, v
     assert pools["draft"] != pools["target"], "draft and target should use different node pools"
-    orch = _pod_spec(deps["orchestrator"])
-    for c in orch["containers"]:
-        assert "nvidia.com/gpu" not in c["resources"]["limits"], "orchestrator needs no GPU"
+    for comp in ("orchestrator", "gateway"):
+        for c in _pod_spec(deps[comp])["containers"]:
+            assert "nvidia.com/gpu" not in c["resources"]["limits"], f"{comp} needs no GPU"

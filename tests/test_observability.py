@@ -5,8 +5,9 @@ PrometheusRule carries exactly the rules file's groups, every alert is unit-test
 firing and not firing, every dashboard and rule expression parses, every ratio is
 guarded against division by zero and every metric name exists in specdec.metrics.
 
-Integration part: a real Prometheus server scrapes a local three-service stack
-while a short generation load runs; every dashboard expression, every recording
+Integration part: a real Prometheus server scrapes a local stack (draft, target,
+orchestrator and the HTTP gateway) while a short generation load runs, over gRPC
+and through the gateway (streamed and not); every dashboard expression, every recording
 rule (its expression and its recorded series) and every alert expression with
 its threshold comparison removed must return data, every rule must evaluate
 without error, and ``promtool check metrics`` must accept each service's /metrics.
@@ -42,11 +43,13 @@ JOBS = {
     "orchestrator": "specdec-orchestrator",
     "draft": "specdec-draft",
     "target": "specdec-target",
+    "gateway": "specdec-gateway",
 }
 # Grafana template variables and what the tests put in their place: all jobs,
 # all instances, all models; $__rate_interval as Grafana computes it for a 1s
 # scrape interval would be 4s, a wider window makes the test robust.
 RATE_INTERVAL = "30s"
+GATEWAY_MODEL = "specdec-test"  # tests.gateway_stack.MODEL
 VARIABLES = {"job": ".*", "instance": ".*", "model": ".*", "datasource": ""}
 
 
@@ -248,6 +251,10 @@ def test_dashboard_structure():
         "error and fallback rate",
         "forward pass",
         "rpc rate by code",
+        "gateway requests by endpoint and status",
+        "gateway request duration",
+        "gateway time to first byte",
+        "gateway requests in flight",
     ):
         assert topic in titles, f"no panel about {topic!r}"
 
@@ -449,12 +456,43 @@ PROMPTS = [
 ]
 
 
-def _run_load(stack, seconds: float, workers: int = 3) -> list[BaseException]:
+def _gateway_request(gateway_url: str, i: int) -> None:
+    """One request through the HTTP gateway: completion or chat, streamed or not."""
+    chat = i % 2 == 1
+    body = {"model": GATEWAY_MODEL, "max_tokens": 12, "temperature": (0.0, 1.0)[i % 3 == 0]}
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+    else:
+        body["prompt"] = PROMPTS[i % len(PROMPTS)]
+    body["stream"] = i % 4 < 2
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(
+        gateway_url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = r.read()
+    assert r.status == 200 and (not body["stream"] or out.endswith(b"data: [DONE]\n\n")), out
+
+
+def _run_load(
+    stack, seconds: float, workers: int = 3, gateway_url: str | None = None
+) -> list[BaseException]:
     """Generations from a few threads for at least ``seconds``, with varied gamma and
-    temperature (greedy and sampled). Returns the errors raised, if any."""
+    temperature (greedy and sampled), plus one thread of requests through the
+    gateway at ``gateway_url``. Returns the errors raised, if any."""
     errors: list[BaseException] = []
     done = [0]
     stop_at = time.monotonic() + seconds
+
+    def http_worker() -> None:
+        i = 0
+        while time.monotonic() < stop_at or i < 4:
+            try:
+                _gateway_request(gateway_url, i)
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(e)
+                return
+            i += 1
 
     def worker(k: int) -> None:
         i = k
@@ -473,6 +511,8 @@ def _run_load(stack, seconds: float, workers: int = 3) -> list[BaseException]:
             i += workers
 
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
+    if gateway_url:
+        threads.append(threading.Thread(target=http_worker, daemon=True))
     for t in threads:
         t.start()
     for t in threads:
@@ -489,17 +529,27 @@ def _has_data(result: list[dict]) -> bool:
 def test_dashboard_and_rules_return_data_from_a_live_stack(tmp_path):
     prometheus_bin = _tool("prometheus")
     promtool = _tool("promtool")
+    from tests.gateway_stack import gateway
     from tests.stack import local_stack
 
-    with local_stack(tmp_path / "stack") as stack:
-        prom = PrometheusServer(prometheus_bin, tmp_path / "prometheus", stack.metrics_ports)
+    with (
+        local_stack(tmp_path / "stack") as stack,
+        gateway(
+            tmp_path / "gateway",
+            stack.config,
+            stack.orchestrator_address,
+            chat_template="plain-text",  # the tiny tokenizer has no chat template
+        ) as gw,
+    ):
+        targets = {**stack.metrics_ports, "gateway": gw.metrics_port}
+        prom = PrometheusServer(prometheus_bin, tmp_path / "prometheus", targets)
         try:
             prom.wait_for(
                 'up{job=~"specdec.*"} == 1',
-                "all three services to be scraped",
-                ok=lambda r: len(r) == 3,
+                "all four services to be scraped",
+                ok=lambda r: len(r) == len(JOBS),
             )
-            errors = _run_load(stack, seconds=8)
+            errors = _run_load(stack, seconds=8, gateway_url=gw.url)
             assert not errors, f"generation failed: {errors[0]!r}"
             # Two more scrapes of the final counters and a rule evaluation on them.
             prom.wait_for("specdec:tokens_per_step:rate5m > 0", "the recording rules", timeout=30)
@@ -543,8 +593,8 @@ def test_dashboard_and_rules_return_data_from_a_live_stack(tmp_path):
                     assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 
             # Each service's exposition passes promtool's linter.
-            for role in ("orchestrator", "draft", "target"):
-                text = stack.metrics_text(role)
+            for role in ("orchestrator", "draft", "target", "gateway"):
+                text = gw.metrics_text() if role == "gateway" else stack.metrics_text(role)
                 assert "specdec_build_info" in text, role
                 res = _run([promtool, "check", "metrics"], input=text)
                 assert res.returncode == 0 and not res.stdout.strip(), (

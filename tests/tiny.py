@@ -32,9 +32,16 @@ from transformers import (
 CHARS = string.ascii_lowercase + string.ascii_uppercase[:10] + " .,;!?'-\n"
 EOS = "<eos>"
 UNK = "<unk>"
+# A chat template in the tokenizer's own characters (no ':'), so that a
+# conversation it renders differs from the gateway's plain-text fallback.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}; {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant;{% endif %}"
+)
 
 
-def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+def build_tokenizer(out: Path, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """The character tokenizer, saved to ``out``; with a chat template if given."""
     vocab = {c: i for i, c in enumerate(CHARS)}
     vocab[UNK] = len(vocab)
     vocab[EOS] = len(vocab)
@@ -42,6 +49,8 @@ def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, eos_token=EOS)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(out)
     return fast
 

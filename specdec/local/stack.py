@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+from urllib.error import URLError
 from urllib.request import urlopen
 
 import grpc
@@ -67,6 +69,76 @@ def wait_healthy(
     raise RuntimeError(f"{address} did not become healthy within {timeout:.0f}s")
 
 
+def wait_http_healthy(
+    url: str,
+    timeout: float,
+    procs: list[subprocess.Popen],
+    client_cert: tuple[str, str] | None = None,
+) -> None:
+    """Poll an HTTP(S) health URL until it answers 200, presenting ``client_cert``
+    (certificate and key files) to a server that demands one.
+
+    The certificate of an HTTPS URL is not verified: this only asks a child
+    process on this machine whether it is up, and sends nothing secret.
+    """
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    if context is not None and client_cert:
+        context.load_cert_chain(*client_cert)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a service exited during start-up (see its output above)")
+        try:
+            with urlopen(url, timeout=2.0, context=context) as r:
+                if r.status == 200:
+                    return
+        except (URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become healthy within {timeout:.0f}s")
+
+
+def gateway_url(cfg, path: str = "") -> str:
+    """The gateway's base URL as seen from this machine (``http(s)://host:port``)."""
+    g = cfg.gateway
+    host = "127.0.0.1" if g.host in ("0.0.0.0", "") else g.host
+    return f"{'https' if g.tls.cert else 'http'}://{host}:{g.port}{path}"
+
+
+def start_gateway(
+    config_path: str | None,
+    overrides: list[str] = (),
+    quiet: bool = False,
+    env: dict[str, str] | None = None,
+    stdout=None,
+    verbose: bool = False,
+    wait_for: str = "/health",
+) -> subprocess.Popen:
+    """Start ``specdec serve gateway``; returns it once ``wait_for`` answers 200
+    (``/health`` needs the orchestrator up, ``/health/live`` only the gateway).
+    With ``stdout`` (a file), stdout and stderr go there; ``verbose`` logs at
+    DEBUG level."""
+    cfg = load_config(config_path, overrides)
+    args = [sys.executable, "-m", "specdec", *(["-v"] if verbose else []), "serve", "gateway"]
+    if config_path:
+        args += ["--config", str(config_path)]
+    for o in overrides:
+        args += ["--set", o]
+    out = subprocess.DEVNULL if quiet else stdout
+    err = subprocess.STDOUT if out not in (None, subprocess.DEVNULL) else None
+    proc = subprocess.Popen(args, stdout=out, stderr=err, env=env, cwd=REPO)
+    try:
+        # A gateway demanding client certificates is asked with its own client
+        # identity (towards the orchestrator), as start_local checks the orchestrator.
+        o_tls = cfg.gateway.orchestrator_tls
+        identity = (o_tls.cert, o_tls.key) if cfg.gateway.tls.ca and o_tls.cert else None
+        wait_http_healthy(gateway_url(cfg, wait_for), 300, [proc], identity)
+    except BaseException:
+        stop_local([proc])
+        raise
+    return proc
+
+
 def spawn(
     role: str,
     config_path: str | None,
@@ -91,8 +163,10 @@ def start_local(
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
     on_ready=None,
+    gateway: bool = False,
 ) -> list[subprocess.Popen]:
-    """Start the three services (in ``ROLES`` order); returns them once all are healthy.
+    """Start the three services (in ``ROLES`` order), and the HTTP gateway after
+    them with ``gateway``; returns them once all are healthy.
 
     ``log_dir`` collects each service's output in ROLE.log; ``quiet`` discards it.
     ``on_ready(role)`` is called as each becomes healthy.
@@ -118,6 +192,13 @@ def start_local(
         wait_healthy(f"{o.host}:{o.port}", 300, procs, api)
         if on_ready:
             on_ready("orchestrator")
+        if gateway:
+            out = subprocess.DEVNULL if quiet else None
+            if log_dir is not None:
+                out = open(log_dir / "gateway.log", "ab")  # noqa: SIM115 - the child owns it
+            procs.append(start_gateway(config_path, list(overrides), env=env, stdout=out))
+            if on_ready:
+                on_ready("gateway")
     except BaseException:
         stop_local(procs)
         raise
