@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint format up setup system-deps bench analyze protos clean
+.PHONY: demo test soak lint format up setup system-deps bench analyze protos clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,10 @@ format: setup
 
 test: setup system-deps lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10
+
+# The opt-in long runs: the exactness monitor quiet over 50,000 checked tokens.
+soak: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m soak
 
 bench: setup
 	$(PY) -m benchmarks.run

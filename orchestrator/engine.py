@@ -416,10 +416,10 @@ class Generation:
         self.target.cursor = outcome.target
         if self.draft is not None:
             self.draft.cursor = outcome.draft
-        if verdict.cdf_below:
+        if verdict.mass_above:
             self.orch.monitor.observe(
                 *emitted_terms(
-                    verdict.cdf_below, verdict.p_at, len(drafts), outcome.accepted, outcome.chained
+                    verdict.mass_above, verdict.p_at, len(drafts), outcome.accepted, outcome.chained
                 )
             )
         if chain:

@@ -1,13 +1,14 @@
 """A live check of exactness: are the emitted tokens distributed as the target's?
 
 On a sampled fraction of steps the target also reports, for every candidate
-token, p's mass below it (in vocabulary order) and on it. For each token the
-step emits, the orchestrator forms the randomized probability integral
-transform u = below + v * at with its own v ~ U[0, 1): if the pipeline is
-exact, these u are independent and uniform on [0, 1), whatever the model, the
-prompt or the draft. A draft that misreports q, a numerics regression, a skew
-between service versions: anything that biases the output moves them away
-from uniform.
+token, p's mass on tokens ranked above it (more probable first, ties by id)
+and on it. For each token the step emits, the orchestrator forms the
+randomized probability integral transform u = above + v * at with its own
+v ~ U[0, 1): if the pipeline is exact, these u are independent and uniform
+on [0, 1), whatever the model, the prompt or the draft. A draft that
+misreports q, a wrong residual, a temperature or numerics skew between
+service versions: anything that makes the output sharper or flatter than p
+moves them towards 0 or 1.
 
 The orchestrator keeps the last ``window`` values in 16 equal bins and
 exports Pearson's chi-square statistic with the window's fill, so Prometheus
@@ -51,19 +52,19 @@ class ExactnessMonitor:
         """Should this step carry the PIT terms? (Its own randomness, not the request's.)"""
         return self.fraction > 0 and self.rng.random() < self.fraction
 
-    def observe(self, below: list[float], at: list[float]) -> None:
-        """Add the emitted tokens' PIT terms (mass below each token, and on it)."""
-        if not below:
+    def observe(self, above: list[float], at: list[float]) -> None:
+        """Add the emitted tokens' PIT terms (mass ranked above each token, and on it)."""
+        if not above:
             return
-        v = self.rng.random(len(below))
-        u = np.clip(np.asarray(below) + v * np.asarray(at), 0.0, np.nextafter(1.0, 0.0))
+        v = self.rng.random(len(above))
+        u = np.clip(np.asarray(above) + v * np.asarray(at), 0.0, np.nextafter(1.0, 0.0))
         for b in (u * BINS).astype(np.int64).tolist():
             if len(self._bins) == self.window:
                 self._counts[self._bins[0]] -= 1
             self._bins.append(b)
             self._counts[b] += 1
-        self.total += len(below)
-        metrics.PIT_TOKENS.inc(len(below))
+        self.total += len(above)
+        metrics.PIT_TOKENS.inc(len(above))
         self._export()
 
     @property
@@ -87,7 +88,7 @@ class ExactnessMonitor:
 
 
 def emitted_terms(
-    below: list[float], at: list[float], gamma: int, accepted: int, chained: bool
+    above: list[float], at: list[float], gamma: int, accepted: int, chained: bool
 ) -> tuple[list[float], list[float]]:
     """The PIT terms of the tokens a step emitted, from the verdict's 2 gamma + 1 entries
     (x_1..x_gamma, the residual draws, the bonus): the accepted drafts, then the
@@ -97,4 +98,4 @@ def emitted_terms(
         take.append(gamma + accepted)
     elif not chained:
         take.append(2 * gamma)
-    return [below[i] for i in take], [at[i] for i in take]
+    return [above[i] for i in take], [at[i] for i in take]

@@ -272,8 +272,9 @@ class Verdict:
     forward_s: float = 0.0  # of which in the forward pass
     batch_tokens: int = 0  # tokens that pass carried, all sessions together
     # For the exactness monitor (when asked): x_1..x_gamma, the residual draws, the
-    # bonus (2 gamma + 1 entries): p's mass below each token (vocabulary order), and on it.
-    cdf_below: list[float] | None = None
+    # bonus (2 gamma + 1 entries): p's mass on tokens ranked above each (most probable
+    # first, ties by id), and on it.
+    mass_above: list[float] | None = None
     p_at: list[float] | None = None
 
 
@@ -325,26 +326,32 @@ def verify_draft(
     if pit:
         candidates = list(draft_tokens) + drawn[:gamma] + [drawn[gamma]]
         rows_of = list(range(gamma)) * 2 + [gamma]  # the position each candidate is for
-        verdict.cdf_below, verdict.p_at = pit_terms(p, rows_of, candidates)
+        verdict.mass_above, verdict.p_at = pit_terms(p, rows_of, candidates)
     return verdict
 
 
 def pit_terms(
     p: torch.Tensor, rows: list[int], tokens: list[int]
 ) -> tuple[list[float], list[float]]:
-    """For each (row, token): p[row]'s mass on ids below the token, and on the token.
+    """For each (row, token): p[row]'s mass on tokens ranked above it, and on it.
 
-    p: [positions, vocab]. With v ~ U[0, 1), below + v * at is uniform on [0, 1)
-    exactly when the token was drawn from p[row] (randomized PIT).
+    p: [positions, vocab]. Tokens are ranked by p[row], most probable first
+    (ties by id). With v ~ U[0, 1), above + v * at is uniform on [0, 1) exactly
+    when the token was drawn from p[row] (randomized PIT), for any fixed ranking;
+    ranking by p makes a too sharp or too flat output (a wrong residual, a
+    misreported q, a temperature skew) show as a drift towards 0 or 1 instead
+    of cancelling out over an arbitrary vocabulary order.
     """
     if not tokens:
         return [], []
-    cdf = p.double().cumsum(dim=-1)  # [positions, vocab]
     r = torch.tensor(rows, device=p.device)
     t = torch.tensor(tokens, device=p.device)
-    at = p.double()[r, t]
-    below = cdf[r, t] - at
-    return below.clamp_min(0).tolist(), at.tolist()
+    rows_p = p[r].double()  # [n, vocab]
+    at = rows_p.gather(1, t[:, None])  # [n, 1]
+    ids = torch.arange(rows_p.shape[-1], device=p.device)
+    ahead = (rows_p > at) | ((rows_p == at) & (ids[None, :] < t[:, None]))  # [n, vocab]
+    above = (rows_p * ahead).sum(dim=-1)
+    return above.tolist(), at[:, 0].tolist()
 
 
 # ---- the orchestrator's half --------------------------------------------------------------

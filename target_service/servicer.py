@@ -50,8 +50,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 forward_s=verdict.forward_s,
                 batch_tokens=verdict.batch_tokens,
             )
-            if verdict.cdf_below is not None:
-                out.cdf_below.extend(verdict.cdf_below)
+            if verdict.mass_above is not None:
+                out.mass_above.extend(verdict.mass_above)
                 out.p_at.extend(verdict.p_at)
             if verdict.p is not None:
                 out.dense_p.extend(verdict.p.flatten().tolist())

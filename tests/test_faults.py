@@ -184,3 +184,22 @@ def test_sigterm_under_load_finishes_in_flight_work(fault_stack, role):
     assert stack.proc(role).wait(30) == 0  # exits cleanly once drained
     survivors = [r for r in ("draft", "target") if r != role]
     no_sessions(stack, roles=survivors)
+
+
+@pytest.mark.parametrize(
+    ("details", "expected"),
+    [
+        ("Internal error from Core", "Unavailable"),  # gRPC core: the connection died
+        ("Received RST_STREAM with error code 2", "Unavailable"),
+        ("internal error: RuntimeError: CUDA error", "Internal"),  # the service's own
+    ],
+)
+def test_a_connection_dying_mid_stream_counts_as_a_lost_peer(details, expected):
+    """gRPC core reports some killed connections as INTERNAL; the orchestrator must
+    fail over on those (a lost replica), and not on a service's own INTERNAL."""
+    from specdec.transport.status import error_of
+
+    e = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+    assert type(error_of(e, "target")).__name__ == expected

@@ -3,7 +3,9 @@
 Runs the engine with in-process services (monitor_fraction 1: every sampled
 step is checked) and reads the monitor the orchestrator exports:
 * the correct pipeline stays under the alert threshold for 50,000 checked
-  tokens (temperature 1, top-k/top-p, gamma 1-4, overlapped or not);
+  tokens (temperature 1, top-k/top-p, gamma 1-4, overlapped or not; 8
+  requests at a time, so they share batched passes): `make soak`, about 3
+  minutes; `make test` runs the same for 8,192 tokens;
 * a draft that misreports q (it proposes its most likely token but reports its
   whole q) trips the alert within 8,192 checked tokens;
 * a target whose residual is replaced by p (the classic bug) trips it too.
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
+import torch
 
 from orchestrator.monitor import ALERT_CHI2
 from specdec import sampling
@@ -22,43 +26,75 @@ from .inprocess import in_process
 
 PROMPTS = ["the cat", "a b c", "we shall see", "Hello", "it was", "emma said"]
 ALERT_WITHIN = 8192  # checked tokens
+CLIENTS = 8
+
+
+def test_pit_terms_rank_tokens_by_probability():
+    p = torch.tensor([[0.1, 0.4, 0.1, 0.4]])  # ranked: 1, 3 (tie: smaller id first), 0, 2
+    above, at = sampling.pit_terms(p, [0, 0, 0, 0], [0, 1, 2, 3])
+    assert above == pytest.approx([0.8, 0.0, 0.9, 0.4])
+    assert at == pytest.approx([0.1, 0.4, 0.1, 0.4])
+
+
+@pytest.mark.parametrize("sharpen", [1.0, 1.3])
+def test_the_pit_is_uniform_exactly_for_draws_from_p(sharpen):
+    """Tokens drawn from p give uniform u; from a sharper p (a wrong temperature)
+    they drift towards 0, and the monitor's statistic sees it."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(64, 100, generator=gen) * 2, dim=-1)  # [rows, vocab]
+    drawn_from = torch.softmax(torch.log(p) * sharpen, dim=-1)
+    rows = torch.randint(0, 64, (8192,), generator=gen)
+    tokens = torch.multinomial(drawn_from[rows], 1, generator=gen)[:, 0]
+    above, at = sampling.pit_terms(p, rows.tolist(), tokens.tolist())
+    u = np.asarray(above) + np.random.default_rng(0).random(len(at)) * np.asarray(at)
+    counts = np.histogram(u, bins=16, range=(0, 1))[0]
+    chi2 = float(((counts - len(u) / 16) ** 2).sum() / (len(u) / 16))
+    assert (chi2 < 40) if sharpen == 1.0 else (chi2 > ALERT_CHI2), chi2
 
 
 async def _drive(system, until_tokens: int, stop_on_alarm: bool) -> tuple[float, int | None]:
-    """Generate until ``until_tokens`` were checked; returns (max chi2 once the
-    window was large enough, tokens checked when it first alarmed)."""
+    """Generate, 8 requests at a time (they share batched passes), until
+    ``until_tokens`` were checked; returns (max chi2 once the window was large
+    enough, tokens checked when it first alarmed)."""
     monitor = system.orch.monitor
-    worst, alarmed_at, i = 0.0, None, 0
-    while monitor.total < until_tokens:
-        prompt = PROMPTS[i % len(PROMPTS)]
-        params = [dict(), dict(top_k=12), dict(top_p=0.8)][i % 3]
-        await system.generate(
-            prompt=prompt,
-            max_new_tokens=200,
-            temperature=1.0,
-            gamma=1 + i % 4,
-            overlap=bool(i % 2),
-            seed=i,
-            **params,
-        )
-        i += 1
-        if monitor.size >= 1024:
-            worst = max(worst, monitor.chi2())
-        if monitor.alarming() and alarmed_at is None:
-            alarmed_at = monitor.total
-            if stop_on_alarm:
-                break
+    worst, alarmed_at = 0.0, None
+    next_request = iter(range(10**9))
+
+    def done() -> bool:
+        return monitor.total >= until_tokens or (stop_on_alarm and alarmed_at is not None)
+
+    async def client() -> None:
+        nonlocal worst, alarmed_at
+        while not done():
+            i = next(next_request)
+            await system.generate(
+                prompt=PROMPTS[i % len(PROMPTS)],
+                max_new_tokens=200,
+                temperature=1.0,
+                gamma=1 + i % 4,
+                overlap=bool(i % 2),
+                seed=i,
+                **[dict(), dict(top_k=12), dict(top_p=0.8)][i % 3],
+            )
+            if monitor.size >= 1024:
+                worst = max(worst, monitor.chi2())
+            if monitor.alarming() and alarmed_at is None:
+                alarmed_at = monitor.total
+
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
     return worst, alarmed_at
 
 
-@pytest.mark.slow
-def test_the_exact_pipeline_stays_quiet_for_50000_tokens(llama_pair):
+@pytest.mark.parametrize(
+    "tokens", [ALERT_WITHIN, pytest.param(50_000, marks=pytest.mark.soak)], ids=["8k", "50k"]
+)
+def test_the_exact_pipeline_stays_quiet(llama_pair, tokens):
     async def scenario():
         async with in_process(*llama_pair, monitor_fraction=1.0, monitor_window=4096) as system:
-            return await _drive(system, 50_000, stop_on_alarm=False)
+            return await _drive(system, tokens, stop_on_alarm=False)
 
     worst, alarmed_at = asyncio.run(scenario())
-    print(f"max chi2 over 50,000 checked tokens: {worst:.1f} (alert above {ALERT_CHI2})")
+    print(f"max chi2 over {tokens} checked tokens: {worst:.1f} (alert above {ALERT_CHI2})")
     assert alarmed_at is None, f"false alarm after {alarmed_at} tokens (chi2 {worst:.1f})"
 
 

@@ -130,7 +130,7 @@ class RemoteTargetSession:
             compute_s=r.compute_s,
             forward_s=r.forward_s,
             batch_tokens=r.batch_tokens,
-            cdf_below=list(r.cdf_below) if pit else None,
+            mass_above=list(r.mass_above) if pit else None,
             p_at=list(r.p_at) if pit else None,
             p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
         )

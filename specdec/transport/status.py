@@ -45,9 +45,19 @@ def code_of(e: errors.SpecdecError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# INTERNAL statuses that gRPC's core library makes up itself when a connection
+# dies mid-stream (a peer killed with SIGKILL, a reset): a lost peer, not a bug
+# in it. The services' own INTERNAL details never take these forms.
+_TRANSPORT_INTERNAL = ("Internal error from Core", "Received RST_STREAM")
+
+
 def error_of(e: grpc.aio.AioRpcError, peer: str) -> errors.SpecdecError:
     """A failed call to ``peer`` ("draft", "target") as a domain error."""
     cls = _FROM_CODE.get(e.code(), errors.Unavailable)
+    if e.code() == grpc.StatusCode.INTERNAL and (e.details() or "").startswith(
+        _TRANSPORT_INTERNAL
+    ):
+        cls = errors.Unavailable
     message = f"{peer}: {e.code().name}: {e.details()}"
     if cls is errors.InvalidArgument:
         return errors.InvalidArgument(peer, f"{e.code().name}: {e.details()}")

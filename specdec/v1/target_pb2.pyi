@@ -46,7 +46,7 @@ class Verify(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "cdf_below", "p_at", "forward_s", "batch_tokens")
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
     Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,7 +54,7 @@ class Verdict(_message.Message):
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     DENSE_P_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
-    CDF_BELOW_FIELD_NUMBER: _ClassVar[int]
+    MASS_ABOVE_FIELD_NUMBER: _ClassVar[int]
     P_AT_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -65,8 +65,8 @@ class Verdict(_message.Message):
     cache_len: int
     dense_p: _containers.RepeatedScalarFieldContainer[float]
     compute_s: float
-    cdf_below: _containers.RepeatedScalarFieldContainer[float]
+    mass_above: _containers.RepeatedScalarFieldContainer[float]
     p_at: _containers.RepeatedScalarFieldContainer[float]
     forward_s: float
     batch_tokens: int
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., cdf_below: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
