@@ -54,9 +54,7 @@ _TRANSPORT_INTERNAL = ("Internal error from Core", "Received RST_STREAM")
 def error_of(e: grpc.aio.AioRpcError, peer: str) -> errors.SpecdecError:
     """A failed call to ``peer`` ("draft", "target") as a domain error."""
     cls = _FROM_CODE.get(e.code(), errors.Unavailable)
-    if e.code() == grpc.StatusCode.INTERNAL and (e.details() or "").startswith(
-        _TRANSPORT_INTERNAL
-    ):
+    if e.code() == grpc.StatusCode.INTERNAL and (e.details() or "").startswith(_TRANSPORT_INTERNAL):
         cls = errors.Unavailable
     message = f"{peer}: {e.code().name}: {e.details()}"
     if cls is errors.InvalidArgument:
