@@ -544,7 +544,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument(
+        "--before",
+        help="JSON {label: {part: ms per step}}: an earlier release's step breakdown, "
+        "measured on this machine, drawn beside this run's",
+    )
+    ap.add_argument(
+        "--replot", metavar="DIR", help="only redo the report and plots of DIR/results.json"
+    )
     args = ap.parse_args(argv)
+    before = json.loads(Path(args.before).read_text()) if args.before else None
+    if args.replot:
+        return replot(Path(args.replot), before)
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -559,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info("cpu"),
         "sections": sections,
     }
+    if before:
+        results["before"] = before
     log(f"load average at start: {results['machine']['load_average']}")
 
     def save() -> None:
@@ -650,6 +663,22 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.md").write_text(markdown(results))
     print(summary(results))
     log(f"done in {results['seconds']:.0f} s: {out}")
+    return 0
+
+
+def replot(out: Path, before: dict | None) -> int:
+    """The report and plots again, from a finished run's results.json."""
+    from .plots import make_plots
+    from .report import derive, markdown, summary
+
+    results = json.loads((out / "results.json").read_text())
+    if before:
+        results["before"] = before
+    derive(results)
+    results["plots"] = make_plots(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
+    (out / "results.md").write_text(markdown(results))
+    print(summary(results))
     return 0
 
 

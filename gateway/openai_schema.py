@@ -19,7 +19,8 @@ OpenAI field                          GenerateRequest field
 (chat: ``max_completion_tokens``)
 ``temperature``, ``top_p``, ``stop``,  the same names
 ``seed``
-``top_k``, ``gamma`` (extensions)     the same names
+``top_k``, ``gamma``, ``overlap``      the same names
+(extensions)
 ``n``                                 must be 1
 ====================================  =========================================
 
@@ -198,6 +199,8 @@ def _sampling(body: Mapping, max_tokens: int | None, default_max_tokens: int) ->
     gamma = _int(body, "gamma", None, 0)
     if gamma is not None:
         fields["gamma"] = gamma
+    if body.get("overlap") is not None:
+        fields["overlap"] = _bool(body, "overlap")
     for name in ("presence_penalty", "frequency_penalty"):
         _refuse_unless(body, name, (0, 0.0), "penalties change the output distribution")
     _refuse_unless(body, "logit_bias", ({},), "it changes the output distribution")
@@ -295,6 +298,10 @@ def speculation(stats: orchestrator_pb2.GenerationStats) -> dict:
         "accepted_tokens": stats.accepted_tokens,
         "fallback_steps": stats.fallback_steps,
         "round_trips": stats.round_trips,
+        "adaptive": stats.adaptive,
+        "mean_gamma": round(stats.mean_gamma, 6),
+        "overlapped_steps": stats.overlapped_steps,
+        "judged_tokens": stats.judged_tokens,
         "time_to_first_token_s": round(stats.time_to_first_token_s, 6),
         "tokens_per_second": round(stats.tokens_per_second, 3),
         "total_time_s": round(stats.total_time_s, 6),

@@ -211,6 +211,7 @@ BAD_COMPLETIONS = [
     ({**C, "gamma": -1}, 400, "gamma"),
     ({**C, "gamma": 10**6}, 400, "gamma"),
     ({**C, "gamma": "four"}, 400, "gamma"),
+    ({**C, "overlap": "yes"}, 400, "overlap"),
     ({**C, "seed": -1}, 400, "seed"),
     ({**C, "seed": 2**64}, 400, "seed"),
     ({**C, "seed": 1.5}, 400, "seed"),

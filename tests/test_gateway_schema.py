@@ -49,6 +49,8 @@ def test_completion_fields_map_onto_the_grpc_request():
     assert not r.HasField("gamma") and r.top_k == 0
     r = completion(top_k=5, gamma=0, stop=["a", "b"])
     assert r.top_k == 5 and r.HasField("gamma") and r.gamma == 0 and list(r.stop) == ["a", "b"]
+    assert not r.HasField("overlap")
+    assert completion(overlap=False).HasField("overlap") and not completion(overlap=False).overlap
 
 
 def test_completion_defaults_are_openais():
