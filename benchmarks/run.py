@@ -97,6 +97,7 @@ class Plan:
     analyze_tokens: int = 64
     analyze_rounds: int = 5
     analyze_steps: int = 60
+    all_settings: bool = True  # quick: only the default and the pinned one
 
     @classmethod
     def make(cls, prompts: list[str], quick: bool, max_new_tokens: int | None) -> Plan:
@@ -120,6 +121,7 @@ class Plan:
             analyze_tokens=12,
             analyze_rounds=1,
             analyze_steps=10,
+            all_settings=False,
         )
 
 
@@ -507,6 +509,8 @@ SETTINGS = {
 def settings_section(out: Path, args, plan: Plan) -> dict:
     results = {}
     for name, s in SETTINGS.items():
+        if not (plan.all_settings or name.startswith(("pinned", "target 1 thread"))):
+            continue
         folder = out / "settings" / name.split(":")[0].replace(" ", "-").replace(",", "")
         folder.mkdir(parents=True, exist_ok=True)
         stack = start_services(folder, args.draft, args.target, threads=s["threads"],
