@@ -71,6 +71,11 @@ class ModelServiceConfig:
     # Most tokens one forward pass takes across all sessions (continuous
     # batching); longer prefills are cut into chunks of the budget that is left.
     max_batch_tokens: int = 512
+    # Milliseconds the forward loop may wait for the sessions of its last pass to
+    # come back before it runs the ones already waiting, so that concurrent
+    # sessions share passes instead of alternating (0: never wait; a lone session
+    # never waits). About one step's round trip.
+    batch_wait_ms: float = 2.0
     tls: TlsConfig = field(default_factory=TlsConfig)
 
 
@@ -218,6 +223,7 @@ _NON_NEGATIVE = {
     "draft_retry_after_s",
     "draft_retry_max_s",
     "target_retry_s",
+    "batch_wait_ms",
 }
 
 

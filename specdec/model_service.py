@@ -64,7 +64,9 @@ class ModelService:
         self._batch_sessions = metrics.BATCH_SESSIONS.labels(role)
         self._batch_tokens = metrics.BATCH_TOKENS.labels(role)
         self._queue_wait = metrics.QUEUE_WAIT.labels(role)
-        self.loop = ForwardLoop(self.runner, cfg.max_batch_tokens, self._observe_batch)
+        self.loop = ForwardLoop(
+            self.runner, cfg.max_batch_tokens, self._observe_batch, cfg.batch_wait_ms / 1e3
+        )
         self.info = ModelInfo(
             model_id=cfg.model,
             vocab_size=self.vocab_size,
@@ -185,6 +187,7 @@ class ModelService:
         return removed
 
     def close(self, session: Session) -> bool:
+        self.loop.forget(session.kv)
         return self.sessions.remove(session)
 
     def expired(self, session: Session, reason: str = "ttl") -> None:

@@ -190,3 +190,50 @@ def test_sampling_follows_the_target_under_background_load(llama_stack, llama_pa
     assert llama_stack.config["orchestrator"]["wire_top_k"] == WIRE_TOP_K
     for name, (dist, threshold) in results.items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+# ---- keeping sessions in step (ForwardLoop.batch_wait_s) -------------------------------------
+def _sessions_per_pass(target: Path, batch_wait_s: float, sessions: int, rounds: int = 40):
+    """Sessions run one-feed jobs, each coming back 3 ms (a round trip) after its
+    last one finished, the second starting half a pass late; returns the mean
+    number of sessions per forward and the wall time."""
+    import asyncio
+    import time
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(target)))
+    seen: list[int] = []
+
+    def job(kv):
+        yield Feed(kv, [5], 1)
+
+    async def session(i: int, loop: ForwardLoop) -> None:
+        kv = SessionKV()
+        await asyncio.sleep(0.0005 * i)
+        for _ in range(rounds):
+            await loop.run(job(kv))
+            await asyncio.sleep(0.003)
+        loop.forget(kv)
+
+    async def main() -> float:
+        loop = ForwardLoop(runner, 512, lambda b: seen.append(b.sessions), batch_wait_s)
+        loop.start()
+        start = time.perf_counter()
+        await asyncio.gather(*(session(i, loop) for i in range(sessions)))
+        await loop.aclose()
+        return time.perf_counter() - start
+
+    wall = asyncio.run(main())
+    return sum(seen) / len(seen), wall
+
+
+def test_concurrent_sessions_are_kept_in_step(llama_pair):
+    together, _ = _sessions_per_pass(llama_pair[1], 0.010, sessions=2)
+    assert together >= 1.7, together  # nearly every pass carries both sessions
+
+
+def test_a_lone_session_never_waits_for_a_batch(llama_pair):
+    _, alone = _sessions_per_pass(llama_pair[1], 1.0, sessions=1, rounds=20)
+    assert alone < 1.0, alone  # 20 passes, none of them waiting the 1 s window

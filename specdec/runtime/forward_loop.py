@@ -8,12 +8,21 @@ that the loop may cut into chunks.
 
 ``ForwardLoop`` runs on the service's event loop. Whenever the model is free
 it takes every waiting feed, oldest first, up to a token budget, and runs them
-as one packed forward (``RaggedRunner``): no timer, no waiting for a batch to
-fill. Short feeds (decode and verify steps) go first; long ones (prefills) are
-cut to fit the budget that is left, and the oldest long one always gets at
-least a quarter of the budget, so neither kind starves. A forward blocks the
+as one packed forward (``RaggedRunner``). Short feeds (decode and verify
+steps) go first; long ones (prefills) are cut to fit the budget that is left,
+and the oldest long one always gets at least a quarter of the budget, so
+neither kind starves. A forward blocks the
 event loop while it runs (like a model server's decode loop); between
 forwards the loop serves RPCs and new jobs join.
+
+Keeping sessions in step (``batch_wait_s``): each session's next job comes
+back one network round trip (and, for the target, one drafting) after its
+last one finished. Two sessions that start out of phase would stay so, each
+forward carrying one of them while the other is on its way back, and batching
+would buy nothing. So the loop waits, at most ``batch_wait_s`` after they
+left, for the sessions that finished a job in the last forward and are
+still open; once they share a forward they come back together. A lone
+session never waits (its own next job is the one that arrives).
 
 Not for: what jobs compute (the draft and target services write them).
 """
@@ -64,11 +73,16 @@ class ForwardLoop:
         runner: RaggedRunner,
         max_batch_tokens: int,
         on_batch: Callable[[BatchStats], None] | None = None,
+        batch_wait_s: float = 0.0,
     ) -> None:
         self.runner = runner
         self.max_batch_tokens = max_batch_tokens
         self.on_batch = on_batch
+        self.batch_wait_s = batch_wait_s
         self._waiting: list[_Pending] = []
+        # Sessions (by id of their cache) whose job finished in a forward and that may
+        # come back with their next one: when it finished.
+        self._returning: dict[int, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # The forward a job just came out of (read by the job as it resumes).
@@ -89,6 +103,10 @@ class ForwardLoop:
     def queued(self) -> int:
         return len(self._waiting)
 
+    def forget(self, kv: object) -> None:
+        """The session with cache ``kv`` ended: no job of it is coming back."""
+        self._returning.pop(id(kv), None)
+
     async def run(self, job: Job, kind: str = "step") -> Any:
         """Drive ``job`` to completion in shared forwards; returns its result."""
         try:
@@ -96,6 +114,7 @@ class ForwardLoop:
         except StopIteration as done:  # a job that needs no forward
             return done.value
         future = asyncio.get_running_loop().create_future()
+        self._returning.pop(id(feed.kv), None)
         self._waiting.append(_Pending(job, future, feed, kind=kind))
         self._wake.set()
         try:
@@ -114,9 +133,29 @@ class ForwardLoop:
             else:
                 # Let RPCs that arrived during the last forward add their jobs first.
                 await asyncio.sleep(0)
+            if self._returning and self._waiting:
+                await self._gather()
             batch = self._select()
             if batch:
                 self._forward(batch)
+
+    async def _gather(self) -> None:
+        """Wait for the sessions that left the last forwards to come back, at most
+        ``batch_wait_s`` after each left (see the module's docstring)."""
+        while self._waiting:
+            now = time.perf_counter()
+            self._returning = {
+                k: t for k, t in self._returning.items() if now - t < self.batch_wait_s
+            }
+            if not self._returning:
+                return
+            self._wake.clear()
+            timeout = max(self._returning.values()) + self.batch_wait_s - now
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                self._returning.clear()
+                return
 
     def _select(self) -> list[tuple[_Pending, Feed]]:
         """The feeds of the next forward: short ones oldest first, then long ones cut to fit."""
@@ -174,6 +213,8 @@ class ForwardLoop:
             try:
                 p.feed = p.job.send(out)
             except StopIteration as done:
+                if self.batch_wait_s > 0:
+                    self._returning[id(feed.kv)] = time.perf_counter()
                 self._finish(p, result=done.value)
             except Exception as e:
                 self._finish(p, error=e)
