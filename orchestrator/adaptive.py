@@ -25,6 +25,14 @@ with that cost makes the chosen gamma fall as batches grow, down to plain
 decoding when rejected tokens would cost more batch compute than accepted
 ones save; with one session it is the single-request model.
 
+**Calibrated by the steps themselves.** The terms above are measured one by
+one; what they leave out (the draft drafting ahead competing with the
+orchestrator or the target for a core, event-loop hand-offs, a discarded block's
+roll-back) shows up only in the steps' wall time. So for each kind of step
+(plain, sequential, overlapped) the model also keeps the ratio of the measured
+step time to the time it predicted, and scales its prediction by it: a kind of
+step that is slower than modelled loses to the others.
+
 Estimates are exponentially weighted. A request's acceptance rate is shrunk
 toward the pool's. While plain decoding wins, a step drafts now and then anyway
 so that the estimates stay current.
@@ -53,6 +61,32 @@ class _Ewma:
     def add(self, x: float) -> None:
         self.value = x if not self.seen else self.value + _SMOOTH * (x - self.value)
         self.seen = True
+
+
+class _Ratio:
+    """A rate such as accepted / judged: numerator and denominator each weighted
+    exponentially. (A weighted mean of per-step ratios would be biased: at gamma
+    4 and a = 0.75 it gives 0.58, since a step that stops at its first draft
+    counts as much as one that accepted all four.)"""
+
+    def __init__(self, value: float) -> None:
+        self._num, self._den = value, 1.0
+        self.seen = False
+
+    @property
+    def value(self) -> float:
+        return self._num / self._den
+
+    @value.setter
+    def value(self, v: float) -> None:
+        self._num, self._den = v, 1.0
+
+    def add(self, num: float, den: float) -> None:
+        if not self.seen:
+            self._num, self._den, self.seen = num, den, True
+        else:
+            self._num += _SMOOTH * (num - self._num)
+            self._den += _SMOOTH * (den - self._den)
 
 
 class _Line:
@@ -87,7 +121,7 @@ class CostModel:
     """The pool-wide estimates (one per orchestrator)."""
 
     max_gamma: int = 16
-    alpha: _Ewma = field(default_factory=lambda: _Ewma(0.7))
+    alpha: _Ratio = field(default_factory=lambda: _Ratio(0.7))
     # A forward pass's seconds as a line in the tokens it carries.
     target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
@@ -99,6 +133,10 @@ class CostModel:
     # Sessions sharing a pass (1: alone).
     target_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
     draft_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
+    # Per kind of step ("plain", "sequential", "overlapped"): measured and predicted
+    # seconds (their ratio calibrates step_cost).
+    measured_s: dict = field(default_factory=dict)
+    predicted_s: dict = field(default_factory=dict)
 
     # ---- observations ---------------------------------------------------------------
     def observe_draft(
@@ -130,10 +168,26 @@ class CostModel:
         metrics.ESTIMATE.labels("verify_seconds_per_position").set(self.target_pass.b)
         metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
 
+    def observe_step(self, gamma: int, overlap: bool, alpha: float, seconds: float) -> None:
+        """A step of ``gamma`` drafts (drafting ahead or not) took ``seconds``."""
+        kind = _kind(gamma, overlap)
+        predicted = self.step_cost(gamma, alpha, overlap, calibrated=False)
+        if kind not in self.measured_s:
+            self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
+        self.measured_s[kind].add(seconds)
+        self.predicted_s[kind].add(predicted)
+        metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
+
+    def calibration(self, kind: str) -> float:
+        """Measured / predicted step time for this kind of step (1 until measured)."""
+        if kind not in self.measured_s:
+            return 1.0
+        return self.measured_s[kind].value / max(self.predicted_s[kind].value, 1e-9)
+
     def observe_acceptance(self, judged: int, accepted: int) -> None:
         """A step's judged drafts (accepted ones plus the first rejected one)."""
         if judged:
-            self.alpha.add(accepted / judged)
+            self.alpha.add(accepted, judged)
             metrics.ESTIMATE.labels("alpha").set(self.alpha.value)
 
     # ---- the model ----------------------------------------------------------------------
@@ -146,16 +200,18 @@ class CostModel:
         tokens = self.target_sessions.value * (gamma + 1)
         return self.target_pass(tokens) + self.target_extra_s.value
 
-    def step_cost(self, gamma: int, alpha: float, overlap: bool) -> float:
-        """Expected seconds of one step."""
+    def step_cost(self, gamma: int, alpha: float, overlap: bool, calibrated: bool = True) -> float:
+        """Expected seconds of one step (scaled by the measured/predicted ratio of
+        its kind of step unless ``calibrated`` is False)."""
+        scale = self.calibration(_kind(gamma, overlap)) if calibrated else 1.0
         verify = self.rtt_target_s.value + self.verify_cost(gamma)
         if gamma == 0:
-            return verify
+            return scale * verify
         draft = self.rtt_draft_s.value + gamma * self.draft_token_s()
         if not overlap:
-            return draft + verify
+            return scale * (draft + verify)
         chained = alpha**gamma
-        return verify + (1 - chained) * draft + chained * max(0.0, draft - verify)
+        return scale * (verify + (1 - chained) * draft + chained * max(0.0, draft - verify))
 
     def rate(self, gamma: int, alpha: float, overlap: bool) -> float:
         """Expected tokens per second of one request."""
@@ -172,6 +228,10 @@ class CostModel:
                 if r > best_rate * 1.0001:
                     best, best_rate = (gamma, overlap), r
         return best
+
+
+def _kind(gamma: int, overlap: bool) -> str:
+    return "plain" if gamma == 0 else "overlapped" if overlap else "sequential"
 
 
 @dataclass

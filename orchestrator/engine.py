@@ -433,6 +433,7 @@ class Generation:
                 await self.draft.rollback()
         t4 = time.perf_counter()
         self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1)
+        self.orch.cost.observe_step(len(drafts), ahead_task is not None, self.policy.alpha, t4 - t0)
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         return outcome.tokens

@@ -67,3 +67,35 @@ def test_fixed_gamma_is_kept_within_the_limit():
     assert p.choose(limit=16) == (5, True)
     assert p.choose(limit=2) == (2, True)
     assert p.choose(limit=0) == (0, False)
+
+
+def test_a_kind_of_step_slower_than_modelled_loses_to_the_others():
+    """Drafting ahead that the model thinks free but that measures 1.5x slower (a
+    draft competing for the orchestrator's core) is no longer chosen."""
+    m = model(rtt=0.005)
+    gamma, overlap = m.choose(0.8, 16, allow_overlap=True)
+    assert overlap
+    for _ in range(100):
+        m.observe_step(gamma, True, 0.8, 1.5 * m.step_cost(gamma, 0.8, True, calibrated=False))
+        m.observe_step(gamma, False, 0.8, m.step_cost(gamma, 0.8, False, calibrated=False))
+    assert abs(m.calibration("overlapped") - 1.5) < 1e-6
+    assert abs(m.calibration("sequential") - 1.0) < 1e-6
+    assert m.choose(0.8, 16, allow_overlap=True)[1] is False
+
+
+def test_the_pool_alpha_is_accepted_over_judged_not_a_mean_of_step_ratios():
+    import random
+
+    m = model()
+    rng = random.Random(0)
+    a, gamma = 0.75, 4
+    ratios = []
+    for _ in range(5000):  # steps whose drafts are accepted with probability a each
+        accepted = 0
+        while accepted < gamma and rng.random() < a:
+            accepted += 1
+        judged = accepted + (accepted < gamma)
+        m.observe_acceptance(judged, accepted)
+        ratios.append(accepted / judged)
+    assert sum(ratios) / len(ratios) < 0.62  # what a mean of per-step ratios would say
+    assert abs(m.alpha.value - a) < 0.06, m.alpha.value
