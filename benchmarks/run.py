@@ -655,34 +655,34 @@ def main(argv: list[str] | None = None) -> int:
         results["settings"] = settings_section(out, args, plan)
         save()
 
+    report(results, out, plots=not args.no_plots, save=save)
+    log(f"done in {results['seconds']:.0f} s: {out}")
+    return 0
+
+
+def report(results: dict, out: Path, plots: bool, save) -> None:
+    """Derived numbers and criteria, the plots, results.md and the summary."""
     from .report import derive, markdown, summary
 
     derive(results)
     save()
-    if not args.no_plots:
+    if plots:
         from .plots import make_plots
 
         results["plots"] = make_plots(results, out)
         save()
     (out / "results.md").write_text(markdown(results))
     print(summary(results))
-    log(f"done in {results['seconds']:.0f} s: {out}")
-    return 0
 
 
 def replot(out: Path, before: dict | None) -> int:
     """The report and plots again, from a finished run's results.json."""
-    from .plots import make_plots
-    from .report import derive, markdown, summary
-
-    results = json.loads((out / "results.json").read_text())
+    path = out / "results.json"
+    results = json.loads(path.read_text())
     if before:
         results["before"] = before
-    derive(results)
-    results["plots"] = make_plots(results, out)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
-    (out / "results.md").write_text(markdown(results))
-    print(summary(results))
+    report(results, out, plots=True,
+           save=lambda: path.write_text(json.dumps(results, indent=2, default=float)))  # fmt: skip
     return 0
 
 

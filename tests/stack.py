@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,17 @@ from specdec.local.stack import local_stack as _local_stack
 
 from .tiny import build_pair
 
-__all__ = ["Stack", "free_port", "local_stack", "write_config"]
+__all__ = ["Stack", "free_port", "local_stack", "planted_env", "write_config"]
+
+
+def planted_env(tmp_path: Path, source: str) -> dict[str, str]:
+    """An environment whose Python processes run ``source`` at start-up (as
+    ``sitecustomize``): how a test plants a fault in the services it starts."""
+    site = tmp_path / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(source)
+    repo = Path(__file__).resolve().parent.parent
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(repo)]))
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams
 
 from .conftest import WIRE_TOP_K
-from .stack import local_stack
+from .stack import local_stack, planted_env
 from .test_statistical import check
 
 LENGTHS = (1, 3, 17, 40, 90, 150, 220, 300)
@@ -127,13 +126,7 @@ def test_a_planted_padding_error_is_caught(tmp_path, llama_pair):
     vocab = load_model(str(target)).config.vocab_size
     prompts = _prompts(vocab)
     want = _references(target, prompts)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BROKEN_SITE)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
-    )
+    env = planted_env(tmp_path, BROKEN_SITE)
     with local_stack(
         tmp_path / "stack",
         draft,

@@ -556,23 +556,32 @@ def next_kind(data, s: SessionModel, step: str) -> tuple[str, bool]:
     return kind, data.draw(CLEAN)
 
 
-def draft_message(data, s: SessionModel):
-    """The next draft message for a session in state ``s``, and the expected outcome."""
-    kind, clean = next_kind(data, s, "propose")
+def session_control(data, s: SessionModel, request, draft: bool, step: str):
+    """The message kinds draft and target sessions share (open, an empty message,
+    rollback): (message, expected outcome, clean). When the next message is the
+    service's own ``step`` instead: (None, the outcome expected so far, clean)."""
+    kind, clean = next_kind(data, s, step)
     if kind == "open":
-        m = data.draw(opens(draft=True, clean=clean))
-        e = expect_open(m, draft=True) if s.length < 0 else invalid("open")
-        return draft_pb2.DraftRequest(open=m), e
-    if s.length < 0:
-        e = invalid("open")
+        m = data.draw(opens(draft=draft, clean=clean))
+        e = expect_open(m, draft=draft) if s.length < 0 else invalid("open")
+        return request(open=m), e, clean
+    e = invalid("open") if s.length < 0 else None
     if kind == "empty":
-        return draft_pb2.DraftRequest(), e if s.length < 0 else invalid("kind")
+        return request(), e if s.length < 0 else invalid("kind"), clean
     if kind == "rollback":
         c = data.draw(st.integers(0, max(s.length, 0)) if clean else cache_lens(max(s.length, 0)))
-        m = draft_pb2.DraftRequest(rollback=common_pb2.Rollback(cache_len=c))
+        m = request(rollback=common_pb2.Rollback(cache_len=c))
         if s.length >= 0:
             e = invalid("cache_len") if c < 0 else Expect(PRECONDITION, ("cache_len",))
             e = Expect() if 0 <= c <= s.length else e
+        return m, e, clean
+    return None, e, clean
+
+
+def draft_message(data, s: SessionModel):
+    """The next draft message for a session in state ``s``, and the expected outcome."""
+    m, e, clean = session_control(data, s, draft_pb2.DraftRequest, draft=True, step="propose")
+    if m is not None:
         return m, e
     if clean:
         c = data.draw(st.sampled_from([s.length] * 4 + [s.length - 1, s.length + 1]))
@@ -626,21 +635,8 @@ def check_draft_reply(m, reply, s: SessionModel) -> None:
 
 def target_message(data, s: SessionModel):
     """The next target message for a session in state ``s``, and the expected outcome."""
-    kind, clean = next_kind(data, s, "verify")
-    if kind == "open":
-        m = data.draw(opens(draft=False, clean=clean))
-        e = expect_open(m, draft=False) if s.length < 0 else invalid("open")
-        return target_pb2.TargetRequest(open=m), e
-    if s.length < 0:
-        e = invalid("open")
-    if kind == "empty":
-        return target_pb2.TargetRequest(), e if s.length < 0 else invalid("kind")
-    if kind == "rollback":
-        c = data.draw(st.integers(0, max(s.length, 0)) if clean else cache_lens(max(s.length, 0)))
-        m = target_pb2.TargetRequest(rollback=common_pb2.Rollback(cache_len=c))
-        if s.length >= 0:
-            e = invalid("cache_len") if c < 0 else Expect(PRECONDITION, ("cache_len",))
-            e = Expect() if 0 <= c <= s.length else e
+    m, e, clean = session_control(data, s, target_pb2.TargetRequest, draft=False, step="verify")
+    if m is not None:
         return m, e
     if clean:
         c = data.draw(st.sampled_from([s.length] * 4 + [s.length - 1, s.length + 1]))

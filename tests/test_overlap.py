@@ -15,9 +15,7 @@ block k) keeps the output exactly the target's.
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from specdec.sampling import SamplingParams, probs_from_logits, residual_distrib
 
 from .conftest import WIRE_TOP_K
 from .inprocess import in_process
-from .stack import local_stack
+from .stack import local_stack, planted_env
 from .stats import tv, tv_threshold
 
 # ---- exact: the pipelined step's output distribution ----------------------------------------
@@ -219,13 +217,7 @@ def test_overlapped_sampling_follows_the_target(llama_stack, llama_pair):
 
 @pytest.mark.slow
 def test_a_pipeline_that_skips_the_chained_test_fails_the_same_test(tmp_path, llama_pair):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BROKEN_SITE)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
-    )
+    env = planted_env(tmp_path, BROKEN_SITE)
     with local_stack(
         tmp_path / "stack", *llama_pair, env=env, orchestrator__wire_top_k=WIRE_TOP_K
     ) as broken:

@@ -13,9 +13,7 @@ target whose residual is replaced by p (the classic bug) must fail.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits, sparse_q
 
 from .conftest import WIRE_TOP_K
-from .stack import local_stack
+from .stack import local_stack, planted_env
 from .stats import tv, tv_threshold
 
 N = 1500
@@ -105,13 +103,7 @@ def test_sampled_tokens_follow_target_distribution(llama_stack, llama_pair, para
 
 @pytest.mark.slow
 def test_broken_sampler_fails_the_same_test(tmp_path, llama_pair):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BROKEN_SITE)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
-    )
+    env = planted_env(tmp_path, BROKEN_SITE)
     with local_stack(
         tmp_path / "stack", *llama_pair, env=env, orchestrator__wire_top_k=WIRE_TOP_K
     ) as broken:
