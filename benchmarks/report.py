@@ -240,6 +240,7 @@ def _rows_table(rows: dict, t: str, plain: float) -> list[str]:
                 round(ms["draft_forward"], 2),
                 round(ms["target_forward"], 2),
                 round(ms["overhead"], 2),
+                _f(v.get("overhead_ms_per_token"), 2),
                 round(v["wire_bytes_per_token"]),
             ]
         )
@@ -256,6 +257,7 @@ def _rows_table(rows: dict, t: str, plain: float) -> list[str]:
             "draft fwd",
             "target fwd",
             "overhead",
+            "overhead/token",
             "B/token",
         ],
         out,

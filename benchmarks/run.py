@@ -184,6 +184,10 @@ def summarize(rs: list[dict], fields: dict) -> dict:
             "target_forward": target_fwd / steps * 1e3,
             "overhead": (tot["steps_s"] - draft_fwd - target_fwd) / steps * 1e3,
         },
+        # Per generated token: a plain step may be a run of several tokens.
+        "overhead_ms_per_token": (tot["steps_s"] - draft_fwd - target_fwd) / tot["tokens"] * 1e3
+        if tot["tokens"]
+        else 0.0,
         "ms_per_token_outside_steps": (tot["wall_s"] - tot["steps_s"]) / tot["tokens"] * 1e3
         if tot["tokens"]
         else 0.0,

@@ -8,7 +8,8 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 * overlapped (the draft drafts the next block while the target verifies this
   one, as if every draft will be accepted; that block is used with
   probability a^g): R_t + V(g) + (1 - a^g)(R_d + g d) + a^g max(0, R_d + g d - R_t - V(g))
-* plain decoding (g = 0): R_t + V(0) per token,
+* plain decoding (g = 0): R_t + V(0) per token (a plain run of k tokens pays R_t
+  once; its measured time per token calibrates this, see below),
 
 where R_d, R_t are the round trips to each service beyond its compute
 (network, gRPC), d the draft's time per drafted token and V(g) the target's
@@ -153,15 +154,23 @@ class CostModel:
         metrics.ESTIMATE.labels("rtt_draft_seconds").set(self.rtt_draft_s.value)
 
     def observe_verify(
-        self, gamma: int, wall_s: float, compute_s: float, forward_s: float, batch_tokens: int
+        self,
+        gamma: int,
+        wall_s: float,
+        compute_s: float,
+        forward_s: float,
+        batch_tokens: int,
+        passes: int = 1,
     ) -> None:
+        """A verify (``passes`` > 1: a plain run of that many passes; forward_s and
+        compute_s are the run's, batch_tokens the mean of its passes)."""
         if compute_s <= 0:
             return
         own = gamma + 1
         if forward_s > 0 and batch_tokens > 0:
-            self.target_pass.add(batch_tokens, forward_s)
+            self.target_pass.add(batch_tokens, forward_s / passes)
             self.target_sessions.add(max(1.0, batch_tokens / own))
-        self.target_extra_s.add(max(0.0, compute_s - forward_s))
+        self.target_extra_s.add(max(0.0, compute_s - forward_s) / passes)
         self.rtt_target_s.add(max(0.0, wall_s - compute_s))
         metrics.ESTIMATE.labels("rtt_target_seconds").set(self.rtt_target_s.value)
         metrics.ESTIMATE.labels("verify_seconds_gamma0").set(self.verify_cost(0))

@@ -92,10 +92,13 @@ def emitted_terms(
 ) -> tuple[list[float], list[float]]:
     """The PIT terms of the tokens a step emitted, from the verdict's 2 gamma + 1 entries
     (x_1..x_gamma, the residual draws, the bonus): the accepted drafts, then the
-    residual at the first rejection or the bonus (none when the step chained)."""
+    residual at the first rejection or the bonus (none when the step chained). A
+    plain run's further draws follow the bonus, and are all emitted."""
     take = list(range(accepted))
     if accepted < gamma:
         take.append(gamma + accepted)
     elif not chained:
         take.append(2 * gamma)
+    if not gamma:
+        take += range(1, len(above))
     return [above[i] for i in take], [at[i] for i in take]

@@ -259,9 +259,15 @@ class TargetLink(_Link):
             return
 
     async def verify(
-        self, proposal: Proposal | None, seed: int, dense_p: bool, pit: bool = False
+        self,
+        proposal: Proposal | None,
+        seed: int,
+        dense_p: bool,
+        pit: bool = False,
+        run: int = 1,
     ) -> Verdict:
-        """The verdict on ``proposal`` from ``self.cursor``, riding out restarts."""
+        """The verdict on ``proposal`` from ``self.cursor`` (or a plain run of ``run``
+        tokens), riding out restarts."""
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
         while True:
@@ -275,6 +281,7 @@ class TargetLink(_Link):
                     dense_p,
                     self.budget.left(self.budget.target_timeout_s),
                     pit,
+                    run,
                 )
                 self.replica.breaker.success()
                 return verdict

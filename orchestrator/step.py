@@ -74,7 +74,8 @@ def settle(
     """Accept or reject the drafts and move both cursors.
 
     target, draft: the cursors the proposal and the verdict were made from;
-    drafts: x_1..x_gamma (empty for a plain decoding step); u: [gamma] uniforms.
+    drafts: x_1..x_gamma (empty for a plain decoding step, which may emit a run of
+    tokens: the bonus, then ``verdict.run_tokens``); u: [gamma] uniforms.
     ``chain``: a next proposal was drafted ahead (``ahead``) and may take the
     bonus position: if every draft is accepted, no bonus token is emitted; the
     next proposal's first token is tested at that position against the p the
@@ -88,8 +89,11 @@ def settle(
             list(drafts), gamma, n, Cursor(target.end + n, ()), ahead(draft, drafts), True
         )
     emitted = step_tokens(list(drafts), n, verdict.residual_tokens, verdict.bonus_token)
-    # The target fed its pending tokens and every draft; the first n drafts stay valid.
-    new_target = Cursor(target.end + n, (emitted[-1],))
+    run = [] if gamma else list(verdict.run_tokens)  # a plain run's further draws
+    emitted += run
+    # The target fed its pending tokens and every draft (the first n stay valid), or
+    # in a plain run every draw but the last.
+    new_target = Cursor(target.end + n + len(run), (emitted[-1],))
     if draft is None:
         new_draft = None
     elif gamma:

@@ -102,6 +102,11 @@ class OrchestratorConfig:
     # speculation), unless a request says otherwise. Adaptive requests use it
     # only when the cost model expects it to pay.
     overlap: bool = True
+    # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
+    # lets the target draw up to this many tokens in a row, one pass each, saving
+    # a round trip per token: 1, 2, 4, ... doubling over plain steps in a row.
+    # 1 = one token per round trip.
+    plain_run_tokens: int = 8
     # Most tokens each q lists on the wire (0 = no limit), and the mass it may
     # leave to its tail (spread evenly over every other token). The draft samples
     # from exactly what it sends: these cost acceptance, never exactness.
@@ -198,6 +203,7 @@ _POSITIVE = {
     "max_sessions",
     "max_context",
     "max_gamma",
+    "plain_run_tokens",
     "max_new_tokens",
     "max_prompt_tokens",
     "max_concurrent_requests",
@@ -318,6 +324,10 @@ def _validate(cfg: Config) -> None:
         )
     if not 0.0 <= orch.wire_eps < 0.5:
         raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")
+    if orch.plain_run_tokens > 64:
+        raise ConfigError(
+            f"orchestrator.plain_run_tokens: must be <= 64, got {orch.plain_run_tokens}"
+        )
     if orch.gamma > orch.max_gamma:
         raise ConfigError(
             f"orchestrator.gamma: must be <= orchestrator.max_gamma ({orch.max_gamma}), "

@@ -30,7 +30,7 @@ Not for: models, caches or the wire format (``specdec.wire``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -276,6 +276,9 @@ class Verdict:
     # first, ties by id), and on it.
     mass_above: list[float] | None = None
     p_at: list[float] | None = None
+    # A plain run (no drafts): the tokens drawn after the bonus, each from p after the
+    # one before it (their PIT terms, when asked, follow the bonus's).
+    run_tokens: list[int] = field(default_factory=list)
 
 
 def verify_draft(

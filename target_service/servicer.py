@@ -38,7 +38,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             )
             qs = unpack_q(v.draft_q, self.svc.vocab_size, drafts)
             verdict = await self.svc.verify(
-                session, v.cache_len, pending, drafts, qs, v.seed, v.return_dense_p, v.return_pit
+                session,
+                v.cache_len,
+                pending,
+                drafts,
+                qs,
+                v.seed,
+                v.return_dense_p,
+                v.return_pit,
+                v.run_tokens,
             )
             out = target_pb2.Verdict(
                 p_draft=verdict.p_draft,
@@ -49,6 +57,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 compute_s=verdict.compute_s,
                 forward_s=verdict.forward_s,
                 batch_tokens=verdict.batch_tokens,
+                run_tokens=verdict.run_tokens,
             )
             if verdict.mass_above is not None:
                 out.mass_above.extend(verdict.mass_above)

@@ -38,6 +38,7 @@ class Verifier(ModelService):
 
     def __init__(self, cfg, model=None, tokenizer=None) -> None:
         super().__init__("target", cfg, model, tokenizer)
+        self.eos = frozenset(self.info.eos_token_ids)  # a plain run ends after one
 
     async def open(self, session_id: str, tokens, params, extra=None) -> Session:
         return await super().open(session_id, tokens, params, extra=LastLogits())
@@ -60,14 +61,25 @@ class Verifier(ModelService):
         seed: int,
         dense_p: bool = False,
         pit: bool = False,
+        run: int = 1,
     ) -> Verdict:
-        """Roll back to ``cache_len``, then one forward over pending + drafts."""
+        """Roll back to ``cache_len``, then one forward over pending + drafts (a plain
+        run of ``run`` tokens: one forward per token)."""
         pending, drafts = self.check_verify(session, cache_len, pending, drafts)
         require(
             len(qs) == len(drafts),
             "draft_q",
             f"needs one distribution per drafted token ({len(drafts)}), got {len(qs)}",
         )
+        run = max(run, 1)
+        if run > 1:
+            require(
+                not drafts and not dense_p,
+                "run_tokens",
+                "a run is plain decoding: no draft_tokens and no return_dense_p",
+            )
+            require(run <= MAX_GAMMA, "run_tokens", f"at most {MAX_GAMMA}, got {run}")
+            self.check_room("run_tokens", cache_len + len(pending) + run - 1)
         start = time.perf_counter()
         last: LastLogits = session.extra
         if not pending and (last.length != cache_len or last.logits is None):
@@ -78,7 +90,7 @@ class Verifier(ModelService):
         self.roll_back_to(session, cache_len)
         kind = "verify" if drafts else "decode"
         verdict = await self.run(
-            self._verify(session, pending, drafts, qs, seed, dense_p, pit), kind
+            self._verify(session, pending, drafts, qs, seed, dense_p, pit, run), kind
         )
         self.sessions.update_gauges()
         verdict.compute_s = time.perf_counter() - start
@@ -90,7 +102,7 @@ class Verifier(ModelService):
             session.extra.length = -1
         return removed
 
-    def _verify(self, session, pending, drafts, qs, seed, dense_p, pit) -> Job:
+    def _verify(self, session, pending, drafts, qs, seed, dense_p, pit, run=1) -> Job:
         gamma = len(drafts)
         last: LastLogits = session.extra
         forward = None
@@ -104,16 +116,28 @@ class Verifier(ModelService):
                 forward = self.loop.last_batch
             logits = torch.cat(rows)  # [gamma + 1, vocab]
         last.logits, last.length = logits[-1], session.length
+        pit = pit and not session.params.greedy
+        u = uniforms(seed, max(gamma + 1, run))  # [gamma + 1] or [run]
         verdict = verify_draft(
-            logits,
-            drafts,
-            qs,
-            session.params,
-            uniforms(seed, gamma + 1),
-            keep_p=dense_p,
-            pit=pit and not session.params.greedy,
+            logits, drafts, qs, session.params, u[: gamma + 1], keep_p=dense_p, pit=pit
         )
+        passes = [forward] if forward is not None else []
+        # A plain run: feed each draw and draw the next from the p after it.
+        token = verdict.bonus_token
+        for i in range(1, run):
+            if token in self.eos:
+                break
+            logits = yield Feed(session.kv, [token], 1)  # [1, vocab]
+            passes.append(self.loop.last_batch)
+            last.logits, last.length = logits[-1], session.length
+            draw = verify_draft(logits, [], [], session.params, u[i : i + 1], pit=pit)
+            token = draw.bonus_token
+            verdict.run_tokens.append(token)
+            if pit:
+                verdict.mass_above += draw.mass_above
+                verdict.p_at += draw.p_at
         verdict.cache_len = session.length
-        if forward is not None:
-            verdict.forward_s, verdict.batch_tokens = forward.seconds, forward.tokens
+        if passes:
+            verdict.forward_s = sum(b.seconds for b in passes)
+            verdict.batch_tokens = round(sum(b.tokens for b in passes) / len(passes))
         return verdict

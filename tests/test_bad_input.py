@@ -249,6 +249,32 @@ TARGET_CASES = [
         INVALID,
         "draft_q.counts",
     ),
+    (
+        "a plain run with drafts",
+        [
+            T(open=_open()),
+            T(
+                verify=target_pb2.Verify(
+                    cache_len=3,
+                    pending_tokens=[1],
+                    draft_tokens=[4],
+                    draft_q=_q([4], [65536]),
+                    run_tokens=3,
+                )
+            ),
+        ],
+        INVALID,
+        "run_tokens",
+    ),
+    (
+        "a plain run over the bound",
+        [
+            T(open=_open()),
+            T(verify=target_pb2.Verify(cache_len=3, pending_tokens=[1], run_tokens=65)),
+        ],
+        INVALID,
+        "run_tokens",
+    ),
 ]
 
 

@@ -79,11 +79,14 @@ def test_cursors_always_describe_the_history(steps):
         next_token += gamma + 2
         n = min(accept, len(drafts))
         v = verdict(drafts, n, residual=next_token, bonus=next_token + 50)
+        if not drafts:  # a plain run: `accept` more draws after the bonus
+            v.run_tokens = list(range(next_token + 60, next_token + 60 + accept))
         next_token += 100
         if not target.pending:  # chained: the target must have kept p right here
             assert len(t_cache) == target.cache_len
-        # The services do what the cursors tell them.
-        t_cache = t_cache[: target.cache_len] + list(target.pending) + drafts
+        # The services do what the cursors tell them (a run feeds every draw but its last).
+        fed_run = ([v.bonus_token] + v.run_tokens)[:-1] if v.run_tokens else []
+        t_cache = t_cache[: target.cache_len] + list(target.pending) + drafts + fed_run
         if drafts:
             d_cache = d_cache[: draft.cache_len] + list(draft.pending) + drafts[:-1]
         chain = kind == "chain" and bool(drafts)
@@ -96,7 +99,7 @@ def test_cursors_always_describe_the_history(steps):
             assert draft.end == len(history)
             assert d_cache[: draft.cache_len] == history[: draft.cache_len]
         assert out.tokens, "a step always emits"
-        assert len(out.tokens) == out.accepted + (0 if out.chained else 1)
+        assert len(out.tokens) == out.accepted + (0 if out.chained else 1) + len(v.run_tokens)
 
 
 # ---- the engine with scripted ports -----------------------------------------------------

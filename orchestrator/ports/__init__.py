@@ -53,6 +53,7 @@ class TargetSession(Protocol):
         dense_p: bool,
         timeout: float | None,
         pit: bool = False,
+        run: int = 1,
     ) -> Verdict: ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...

@@ -64,6 +64,7 @@ class LocalTargetSession:
         dense_p: bool = False,
         timeout: float | None = None,
         pit: bool = False,
+        run: int = 1,
     ) -> Verdict:
         drafts = proposal.tokens if proposal else []
         qs = []
@@ -73,7 +74,7 @@ class LocalTargetSession:
                 qs = unpack_q(proposal.packed, self.svc.vocab_size, drafts)
         async with _deadline("target", timeout):
             return await self.svc.verify(
-                self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p, pit
+                self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p, pit, run
             )
 
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:

@@ -107,6 +107,7 @@ class RemoteTargetSession:
         dense_p: bool,
         timeout: float | None,
         pit: bool = False,
+        run: int = 1,
     ) -> Verdict:
         v = target_pb2.Verify(
             cache_len=cursor.cache_len,
@@ -114,6 +115,7 @@ class RemoteTargetSession:
             seed=seed,
             return_dense_p=dense_p,
             return_pit=pit,
+            run_tokens=run if run > 1 else 0,
         )
         if proposal is not None and proposal.tokens:
             v.draft_tokens.extend(proposal.tokens)
@@ -133,6 +135,7 @@ class RemoteTargetSession:
             mass_above=list(r.mass_above) if pit else None,
             p_at=list(r.p_at) if pit else None,
             p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
+            run_tokens=list(r.run_tokens),
         )
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:

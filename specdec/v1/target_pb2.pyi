@@ -28,7 +28,7 @@ class TargetReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit")
+    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class Verify(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     RETURN_DENSE_P_FIELD_NUMBER: _ClassVar[int]
     RETURN_PIT_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     pending_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -43,10 +44,11 @@ class Verify(_message.Message):
     seed: int
     return_dense_p: bool
     return_pit: bool
-    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ...) -> None: ...
+    run_tokens: int
+    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens")
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
     Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class Verdict(_message.Message):
     P_AT_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     p_draft: _containers.RepeatedScalarFieldContainer[float]
     q_draft: _containers.RepeatedScalarFieldContainer[float]
     residual_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -69,4 +72,5 @@ class Verdict(_message.Message):
     p_at: _containers.RepeatedScalarFieldContainer[float]
     forward_s: float
     batch_tokens: int
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    run_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,162 @@
+"""Plain runs: with no draft in a step, the target draws several tokens in a row
+(``Verify.run_tokens``), one forward each, instead of one per round trip.
+
+* greedy output is still ``generate()``'s, with runs and without;
+* a run stops after an EOS token;
+* sampled runs have the target's distribution: through the gRPC services, the
+  second and third tokens of 3-token requests (the third is a run's second draw)
+  against the exact marginals, and a planted bug (the run feeds a wrong token
+  before its next draw) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specdec.runtime.loading import load_model, load_tokenizer
+from specdec.sampling import SamplingParams, probs_from_logits
+
+from .inprocess import in_process
+from .stack import local_stack, planted_env
+from .stats import tv, tv_threshold
+from .test_engine import _reference
+
+N = 1500
+PROMPT = [3, 7, 1, 4, 0, 12]  # token ids; fixed
+# The run feeds token 0 instead of its last draw before drawing the next one.
+BROKEN_SITE = """
+import target_service.verifier as v
+
+_verify = v.Verifier._verify
+
+def _broken(self, session, pending, drafts, qs, seed, dense_p, pit, run=1):
+    job = _verify(self, session, pending, drafts, qs, seed, dense_p, pit, run)
+    feed, first = next(job), True
+    try:
+        while True:
+            if not first:
+                feed = v.Feed(feed.kv, [0], feed.logits)  # BROKEN: not the token drawn
+            first = False
+            feed = job.send((yield feed))
+    except StopIteration as done:
+        return done.value
+
+v.Verifier._verify = _broken
+"""
+
+
+def test_greedy_runs_equal_generate_and_ramp_up(llama_pair):
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("plain runs")
+    want = _reference(target, ids, 24)
+
+    async def scenario():
+        for limit, steps in ((8, 6), (1, 24)):  # 1, 2, 4, 8, 8, 1 tokens; or 24 single ones
+            async with in_process(draft, target, plain_run_tokens=limit) as system:
+                got, _, stats = await system.generate(
+                    prompt=ids, max_new_tokens=24, temperature=0.0, gamma=0
+                )
+                assert got == want, limit
+                assert stats.steps == steps, (limit, stats.steps)
+
+    asyncio.run(scenario())
+
+
+def test_a_run_stops_after_eos(llama_pair):
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("a run, then")
+    want = _reference(target, ids, 8)
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            v = system.verifier
+            greedy = SamplingParams(0.0)
+            session = await v.open("run", ids[:-1], greedy)
+            full = await v.verify(session, len(ids) - 1, [ids[-1]], [], [], seed=1, run=8)
+            assert [full.bonus_token, *full.run_tokens] == want
+            assert full.cache_len == len(ids) + 7  # every draw fed but the last
+            # Make the first token that differs from all before it an EOS.
+            k = next(i for i in range(1, 8) if want[i] not in want[:i])
+            v.eos = frozenset({want[k]})
+            cut = await v.verify(session, len(ids) - 1, [ids[-1]], [], [], seed=1, run=8)
+            assert [cut.bonus_token, *cut.run_tokens] == want[: k + 1]
+            assert cut.cache_len == len(ids) + k
+            v.close(session)
+
+    asyncio.run(scenario())
+
+
+# ---- the distribution, through the gRPC services ----------------------------------------
+def exact(target_dir, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Marginals of the 2nd and 3rd new token [V] each (after an EOS, only EOS)."""
+    model = load_model(str(target_dir))
+    vocab = model.config.vocab_size
+    eos = model.config.eos_token_id  # the tests' llama pair has none
+    one = torch.zeros(vocab, dtype=torch.float64)
+    if eos is not None:
+        one[eos] = 1.0
+    with torch.no_grad():
+        l1 = model(torch.tensor([PROMPT])).logits[0, -1]
+        l2 = model(torch.tensor([PROMPT + [a] for a in range(vocab)])).logits[:, -1]
+        pairs = [PROMPT + [a, b] for a in range(vocab) for b in range(vocab)]
+        l3 = model(torch.tensor(pairs)).logits[:, -1]
+    p1 = probs_from_logits(l1.float(), params).double()  # [V]
+    p2 = probs_from_logits(l2.float(), params).double()  # [V, V]: row = x1
+    p3 = probs_from_logits(l3.float(), params).double().reshape(vocab, vocab, vocab)
+    if eos is not None:
+        p2[eos] = one
+        p3[eos, :] = one
+        p3[:, eos] = one
+    return p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)
+
+
+def sample(stack, params: SamplingParams, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def one(seed):
+        ids, _, st = stack.generate_raw(
+            prompt=PROMPT,
+            max_new_tokens=3,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            gamma=0,
+            seed=seed,
+        )
+        ids = list(ids) + [eos] * (3 - len(ids))  # the request ended at EOS (if it has one)
+        return ids[1], ids[2], st.steps
+
+    with ThreadPoolExecutor(4) as pool:
+        x2, x3, steps = zip(*pool.map(one, range(N)), strict=True)
+    assert max(steps) == 2, "3 tokens: one step, then a run of 2"
+    return torch.tensor(x2), torch.tensor(x3)
+
+
+def check(stack, target_dir, params: SamplingParams) -> dict:
+    m2, m3 = exact(target_dir, params)
+    eos = load_model(str(target_dir)).config.eos_token_id
+    x2, x3 = sample(stack, params, eos)
+    results = {
+        "position 2": (tv(x2, m2), tv_threshold(m2, N)),
+        "position 3 (a run's second draw)": (tv(x3, m3), tv_threshold(m3, N)),
+    }
+    print({k: f"tv {d:.4f} (threshold {t:.4f})" for k, (d, t) in results.items()})
+    return results
+
+
+@pytest.mark.slow
+def test_sampled_runs_follow_target_distribution(llama_stack, llama_pair):
+    params = SamplingParams(1.0, top_k=12, top_p=0.9)
+    for name, (dist, threshold) in check(llama_stack, llama_pair[1], params).items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+@pytest.mark.slow
+def test_a_run_that_feeds_the_wrong_token_fails_the_same_test(tmp_path, llama_pair):
+    env = planted_env(tmp_path, BROKEN_SITE)
+    with local_stack(tmp_path / "stack", *llama_pair, env=env) as broken:
+        results = check(broken, llama_pair[1], SamplingParams(1.0, top_k=12, top_p=0.9))
+    failed = [k for k, (d, t) in results.items() if d >= t]
+    assert failed == ["position 3 (a run's second draw)"], results
