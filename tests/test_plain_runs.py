@@ -5,8 +5,8 @@
 * a run stops after an EOS token;
 * sampled runs have the target's distribution: through the gRPC services, the
   second and third tokens of 3-token requests (the third is a run's second draw)
-  against the exact marginals, and a planted bug (the run feeds a wrong token
-  before its next draw) must fail the same test.
+  against the exact marginals; a planted bug (the run feeds a wrong token before
+  its next draw) must fail the same test (in-process, where it is quicker to plant).
 """
 
 from __future__ import annotations
@@ -19,34 +19,14 @@ import torch
 
 from specdec.runtime.loading import load_model, load_tokenizer
 from specdec.sampling import SamplingParams, probs_from_logits
+from target_service.verifier import Feed, Verifier
 
 from .inprocess import in_process
-from .stack import local_stack, planted_env
 from .stats import tv, tv_threshold
 from .test_engine import _reference
 
 N = 1500
 PROMPT = [3, 7, 1, 4, 0, 12]  # token ids; fixed
-# The run feeds token 0 instead of its last draw before drawing the next one.
-BROKEN_SITE = """
-import target_service.verifier as v
-
-_verify = v.Verifier._verify
-
-def _broken(self, session, pending, drafts, qs, seed, dense_p, pit, run=1):
-    job = _verify(self, session, pending, drafts, qs, seed, dense_p, pit, run)
-    feed, first = next(job), True
-    try:
-        while True:
-            if not first:
-                feed = v.Feed(feed.kv, [0], feed.logits)  # BROKEN: not the token drawn
-            first = False
-            feed = job.send((yield feed))
-    except StopIteration as done:
-        return done.value
-
-v.Verifier._verify = _broken
-"""
 
 
 def test_greedy_runs_equal_generate_and_ramp_up(llama_pair):
@@ -114,30 +94,26 @@ def exact(target_dir, params: SamplingParams) -> tuple[torch.Tensor, torch.Tenso
     return p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)
 
 
-def sample(stack, params: SamplingParams, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    def one(seed):
-        ids, _, st = stack.generate_raw(
-            prompt=PROMPT,
-            max_new_tokens=3,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            gamma=0,
-            seed=seed,
-        )
-        ids = list(ids) + [eos] * (3 - len(ids))  # the request ended at EOS (if it has one)
-        return ids[1], ids[2], st.steps
-
-    with ThreadPoolExecutor(4) as pool:
-        x2, x3, steps = zip(*pool.map(one, range(N)), strict=True)
-    assert max(steps) == 2, "3 tokens: one step, then a run of 2"
-    return torch.tensor(x2), torch.tensor(x3)
+PARAMS = SamplingParams(1.0, top_k=12, top_p=0.9)
 
 
-def check(stack, target_dir, params: SamplingParams) -> dict:
-    m2, m3 = exact(target_dir, params)
-    eos = load_model(str(target_dir)).config.eos_token_id
-    x2, x3 = sample(stack, params, eos)
+def _fields(seed: int) -> dict:
+    """A 3-token plain request."""
+    p = PARAMS
+    return dict(prompt=PROMPT, max_new_tokens=3, temperature=p.temperature, top_k=p.top_k,
+                top_p=p.top_p, gamma=0, seed=seed)  # fmt: skip
+
+
+def _row(ids, stats, eos) -> tuple[int, int, int]:
+    """(2nd token, 3rd token, steps) of one request's output."""
+    ids = list(ids) + [eos] * (3 - len(ids))  # the request ended at EOS (if it has one)
+    return ids[1], ids[2], stats.steps
+
+
+def check(rows, target_dir) -> dict:
+    x2, x3, steps = (torch.tensor(c) for c in zip(*rows, strict=True))
+    assert int(steps.max()) == 2, "3 tokens: one step, then a run of 2"
+    m2, m3 = exact(target_dir, PARAMS)
     results = {
         "position 2": (tv(x2, m2), tv_threshold(m2, N)),
         "position 3 (a run's second draw)": (tv(x3, m3), tv_threshold(m3, N)),
@@ -148,15 +124,44 @@ def check(stack, target_dir, params: SamplingParams) -> dict:
 
 @pytest.mark.slow
 def test_sampled_runs_follow_target_distribution(llama_stack, llama_pair):
-    params = SamplingParams(1.0, top_k=12, top_p=0.9)
-    for name, (dist, threshold) in check(llama_stack, llama_pair[1], params).items():
+    eos = load_model(str(llama_pair[1])).config.eos_token_id
+
+    def one(seed):
+        ids, _, stats = llama_stack.generate_raw(**_fields(seed))
+        return _row(ids, stats, eos)
+
+    with ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(one, range(N)))
+    for name, (dist, threshold) in check(rows, llama_pair[1]).items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
 
 
-@pytest.mark.slow
-def test_a_run_that_feeds_the_wrong_token_fails_the_same_test(tmp_path, llama_pair):
-    env = planted_env(tmp_path, BROKEN_SITE)
-    with local_stack(tmp_path / "stack", *llama_pair, env=env) as broken:
-        results = check(broken, llama_pair[1], SamplingParams(1.0, top_k=12, top_p=0.9))
+def test_a_run_that_feeds_the_wrong_token_fails_the_same_test(llama_pair, monkeypatch):
+    verify = Verifier._verify
+
+    def broken(self, session, pending, drafts, qs, seed, dense_p, pit, run=1):
+        job = verify(self, session, pending, drafts, qs, seed, dense_p, pit, run)
+        feed, first = next(job), True
+        try:
+            while True:
+                if not first:
+                    feed = Feed(feed.kv, [0], feed.logits)  # BROKEN: not the token drawn
+                first = False
+                feed = job.send((yield feed))
+        except StopIteration as done:
+            return done.value
+
+    monkeypatch.setattr(Verifier, "_verify", broken)
+    eos = load_model(str(llama_pair[1])).config.eos_token_id
+
+    async def scenario():
+        async with in_process(*llama_pair) as system:
+            rows = []
+            for seed in range(N):
+                ids, _, stats = await system.generate(**_fields(seed))
+                rows.append(_row(ids, stats, eos))
+            return rows
+
+    results = check(asyncio.run(scenario()), llama_pair[1])
     failed = [k for k, (d, t) in results.items() if d >= t]
     assert failed == ["position 3 (a run's second draw)"], results
