@@ -8,8 +8,8 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 * overlapped (the draft drafts the next block while the target verifies this
   one, as if every draft will be accepted; that block is used with
   probability a^g): R_t + V(g) + (1 - a^g)(R_d + g d) + a^g max(0, R_d + g d - R_t - V(g))
-* plain decoding (g = 0): R_t + V(0) per token (a plain run of k tokens pays R_t
-  once; its measured time per token calibrates this, see below),
+* plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
+  request's start) costs R_t + k V(0) and emits k tokens,
 
 where R_d, R_t are the round trips to each service beyond its compute
 (network, gRPC), d the draft's time per drafted token and V(g) the target's
@@ -177,10 +177,13 @@ class CostModel:
         metrics.ESTIMATE.labels("verify_seconds_per_position").set(self.target_pass.b)
         metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
 
-    def observe_step(self, gamma: int, overlap: bool, alpha: float, seconds: float) -> None:
-        """A step of ``gamma`` drafts (drafting ahead or not) took ``seconds``."""
+    def observe_step(
+        self, gamma: int, overlap: bool, alpha: float, seconds: float, run: int = 1
+    ) -> None:
+        """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
+        ``run`` tokens) took ``seconds``."""
         kind = _kind(gamma, overlap)
-        predicted = self.step_cost(gamma, alpha, overlap, calibrated=False)
+        predicted = self.step_cost(gamma, alpha, overlap, calibrated=False, run=run)
         if kind not in self.measured_s:
             self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
         self.measured_s[kind].add(seconds)
@@ -209,28 +212,34 @@ class CostModel:
         tokens = self.target_sessions.value * (gamma + 1)
         return self.target_pass(tokens) + self.target_extra_s.value
 
-    def step_cost(self, gamma: int, alpha: float, overlap: bool, calibrated: bool = True) -> float:
-        """Expected seconds of one step (scaled by the measured/predicted ratio of
-        its kind of step unless ``calibrated`` is False)."""
+    def step_cost(
+        self, gamma: int, alpha: float, overlap: bool, calibrated: bool = True, run: int = 1
+    ) -> float:
+        """Expected seconds of one step (gamma 0: a plain run of ``run`` tokens),
+        scaled by the measured/predicted ratio of its kind of step unless
+        ``calibrated`` is False."""
         scale = self.calibration(_kind(gamma, overlap)) if calibrated else 1.0
-        verify = self.rtt_target_s.value + self.verify_cost(gamma)
         if gamma == 0:
-            return scale * verify
+            return scale * (self.rtt_target_s.value + run * self.verify_cost(0))
+        verify = self.rtt_target_s.value + self.verify_cost(gamma)
         draft = self.rtt_draft_s.value + gamma * self.draft_token_s()
         if not overlap:
             return scale * (draft + verify)
         chained = alpha**gamma
         return scale * (verify + (1 - chained) * draft + chained * max(0.0, draft - verify))
 
-    def rate(self, gamma: int, alpha: float, overlap: bool) -> float:
-        """Expected tokens per second of one request."""
-        tokens = expected_tokens_per_step(alpha, gamma) if gamma else 1.0
-        return tokens / self.step_cost(gamma, alpha, overlap)
+    def rate(self, gamma: int, alpha: float, overlap: bool, run: int = 1) -> float:
+        """Expected tokens per second of one request (gamma 0: plain runs of ``run``)."""
+        tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
+        return tokens / self.step_cost(gamma, alpha, overlap, run=run)
 
-    def choose(self, alpha: float, limit: int, allow_overlap: bool) -> tuple[int, bool]:
-        """The (gamma, overlap) with the highest expected rate, gamma <= limit."""
+    def choose(
+        self, alpha: float, limit: int, allow_overlap: bool, run: int = 1
+    ) -> tuple[int, bool]:
+        """The (gamma, overlap) with the highest expected rate, gamma <= limit; a plain
+        step would be a run of ``run`` tokens."""
         best = (0, False)
-        best_rate = self.rate(0, alpha, False)
+        best_rate = self.rate(0, alpha, False, run)
         for gamma in range(1, min(limit, self.max_gamma) + 1):
             for overlap in (False, True) if allow_overlap else (False,):
                 r = self.rate(gamma, alpha, overlap)
@@ -260,12 +269,13 @@ class RequestPolicy:
         prior = self.model.alpha.value
         return (self.accepted + _PRIOR_TOKENS * prior) / (self.judged + _PRIOR_TOKENS)
 
-    def choose(self, limit: int) -> tuple[int, bool]:
-        """gamma (<= limit) and whether to draft ahead, for the next step."""
+    def choose(self, limit: int, run: int = 1) -> tuple[int, bool]:
+        """gamma (<= limit) and whether to draft ahead, for the next step; a plain
+        step would be a run of ``run`` tokens."""
         if self.gamma is not None:
             g = min(self.gamma, limit)
             return g, self.overlap and g > 0
-        gamma, overlap = self.model.choose(self.alpha, limit, self.overlap)
+        gamma, overlap = self.model.choose(self.alpha, limit, self.overlap, run)
         if gamma == 0 and limit > 0:
             self.plain_steps += 1
             if self.plain_steps % _EXPLORE_EVERY == 0:

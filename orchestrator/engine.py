@@ -318,7 +318,6 @@ class Generation:
         self.stats = Stats(prompt_tokens=len(spec.prompt), gamma=spec.gamma or 0)
         self.policy = RequestPolicy(orch.cost, spec.gamma, spec.overlap)
         self.ahead: Proposal | None = None  # the next draft, drafted during the last verify
-        self.plain_streak = 0  # plain steps in a row (their runs grow with it)
         self.gammas: collections.Counter = collections.Counter()
         self.text = TextStream(orch.tokenizer, spec.stops, spec.prompt)
         self.eos = set(orch.target_info.eos_token_ids)
@@ -374,7 +373,7 @@ class Generation:
         drafted_now = proposal is None
         overlap = False
         if proposal is None:
-            gamma, overlap = self.policy.choose(remaining - 1)
+            gamma, overlap = self.policy.choose(remaining - 1, self.plain_run(remaining))
             if gamma and self.draft is not None:
                 proposal = await self.draft.propose(gamma, draft_seed)
         else:  # drafted during the last verify; keep drafting ahead if it pays
@@ -390,10 +389,7 @@ class Generation:
                 ahead_task = asyncio.ensure_future(
                     self.draft.propose(next_gamma, ahead_seed, ahead=cursor)
                 )
-        if drafts:
-            self.plain_streak, run = 0, 1
-        else:
-            run = self.plain_run(remaining)
+        run = 1 if drafts else self.plain_run(remaining)
         pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
         try:
             verdict = await self.target.verify(proposal, target_seed, self.spec.dense, pit, run)
@@ -438,24 +434,25 @@ class Generation:
                 await self.draft.rollback()
         t4 = time.perf_counter()
         self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1)
-        # A plain run is judged per token (the cost model's plain step is one token).
-        per = 1 if drafts else len(outcome.tokens)
         self.orch.cost.observe_step(
-            len(drafts), ahead_task is not None, self.policy.alpha, (t4 - t0) / per
+            len(drafts),
+            ahead_task is not None,
+            self.policy.alpha,
+            t4 - t0,
+            run=1 if drafts else len(outcome.tokens),
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         return outcome.tokens
 
     def plain_run(self, remaining: int) -> int:
-        """Tokens the target draws in a row for a plain step (no draft this step): 1
-        for the first plain step in a row, then doubling up to ``plain_run_tokens``.
-        A run saves a round trip per token; starting at 1 keeps the first token as
-        early as one-at-a-time decoding would give it. Never for dense diagnostics."""
-        self.plain_streak += 1
+        """Tokens the target draws in a row if this step is plain (no draft): up to
+        ``plain_run_tokens``, and at most one more than the request has emitted so
+        far (1, 2, 4, 8, ...: the first tokens come as early as one at a time would
+        give them). A run saves a round trip per token. Never for dense diagnostics."""
         if self.spec.dense:
             return 1
-        return max(1, min(remaining, self.o.plain_run_tokens, 2 ** (self.plain_streak - 1)))
+        return max(1, min(remaining, self.o.plain_run_tokens, self.pushed + 1))
 
     def observe(self, drafted, verdict, t_propose: float, t_verify: float) -> None:
         """Feed the cost model with this step's measured times. ``drafted``: the

@@ -104,8 +104,8 @@ class OrchestratorConfig:
     overlap: bool = True
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
-    # a round trip per token: 1, 2, 4, ... doubling over plain steps in a row.
-    # 1 = one token per round trip.
+    # a round trip per token; at most one more than the request has emitted so
+    # far (1, 2, 4, 8 at its start). 1 = one token per round trip.
     plain_run_tokens: int = 8
     # Most tokens each q lists on the wire (0 = no limit), and the mass it may
     # leave to its tail (spread evenly over every other token). The draft samples

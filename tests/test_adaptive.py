@@ -38,6 +38,16 @@ def test_an_expensive_draft_or_network_moves_the_choice():
     assert model(rtt=0.010).choose(0.8, 16, False)[0] >= model(rtt=0.0).choose(0.8, 16, False)[0]
 
 
+def test_plain_runs_pay_the_round_trip_once():
+    m = model(rtt=0.010)
+    # A run of 8 costs one round trip and 8 passes; one token per step pays it each time.
+    assert abs(m.rate(0, 0.7, False, run=8) - 8 / (0.010 + 8 * 0.0106)) < 1e-9
+    assert m.rate(0, 0.7, False, run=8) > 1.5 * m.rate(0, 0.7, False, run=1)
+    # At 10 ms per round trip, a fair draft beats one plain token per trip but not a run.
+    assert m.choose(0.6, 16, False, run=1)[0] > 0
+    assert m.choose(0.6, 16, False, run=8)[0] == 0
+
+
 def test_overlap_when_the_draft_can_hide_behind_the_verify():
     gamma, overlap = model(rtt=0.005).choose(0.8, 16, allow_overlap=True)
     assert overlap and gamma >= 1

@@ -1,0 +1,151 @@
+"""Plain runs side by side: one draft and one target service, two orchestrators
+in front of them (``plain_run_tokens`` 8, the default, and 1: one token per
+round trip), and ``generate()`` in-process on the same machine for reference.
+
+    python -m benchmarks.plain_runs [--repeats 5] [--out results/plain-runs-<time>]
+
+Rounds interleave every configuration (the order rotating); each round runs the
+prompts one after the other (64 new tokens), and, for 8 concurrent clients, 2
+requests per client. Reported: median tok/s, and the ratios of the medians.
+Prints a table; writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .run import hf_generate
+
+MAX_NEW = 64
+CLIENTS = 8
+
+
+def _sequential(address: str, temperature: float, r: int) -> float:
+    c = Client(address)
+    tokens = secs = 0.0
+    for j, prompt in enumerate(PROMPTS[:8]):
+        res = c.generate(prompt, MAX_NEW, temperature=temperature, gamma=0, seed=1000 * r + j)
+        tokens, secs = tokens + res["tokens"], secs + res["wall_s"]
+    c.close()
+    return tokens / secs
+
+
+def _concurrent(address: str, r: int) -> float:
+    barrier = threading.Barrier(CLIENTS)
+
+    def client(i: int) -> int:
+        c = Client(address)
+        barrier.wait()
+        n = 0
+        for k in range(2):
+            f = {"temperature": 1.0, "gamma": 0, "seed": 10_000 * r + 100 * i + k}
+            n += c.generate(PROMPTS[(i + k) % len(PROMPTS)], MAX_NEW, **f)["tokens"]
+        c.close()
+        return n
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        tokens = sum(pool.map(client, range(CLIENTS)))
+    return tokens / (time.perf_counter() - t0)
+
+
+def _generate(model, tok, temperature: float, r: int) -> float:
+    """``generate()`` in this process, the same prompts and length (benchmarks.run's call)."""
+    tokens = secs = 0.0
+    for j, prompt in enumerate(PROMPTS[:8]):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        n, dt = hf_generate(model, ids, MAX_NEW, temperature, 1000 * r + j)
+        tokens, secs = tokens + n, secs + dt
+    return tokens / secs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=f"results/plain-runs-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info("cpu")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    model = AutoModelForCausalLM.from_pretrained(str(DEFAULT_TARGET), dtype=torch.float32).eval()
+    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1)
+    try:
+        runs8 = stack.orchestrator_address
+        runs1, _ = stack.start_orchestrator(
+            "orchestrator-runs1",
+            stack.address("draft"),
+            stack.address("target"),
+            {"orchestrator.plain_run_tokens": 1, "orchestrator.max_concurrent_requests": 32},
+        )
+        configs = {
+            f"generate()@{t:g}": (lambda r, t=t: _generate(model, tok, t, r)) for t in (0.0, 1.0)
+        }
+        for name, address in (("runs8", runs8), ("runs1", runs1)):
+            for t in (0.0, 1.0):
+                configs[f"{name}@{t:g}"] = lambda r, a=address, t=t: _sequential(a, t, r)
+            configs[f"{name} x{CLIENTS} clients@1"] = lambda r, a=address: _concurrent(a, r)
+        for fn in configs.values():  # warm up every path once
+            fn(99)
+        rates: dict[str, list[float]] = {k: [] for k in configs}
+        names = list(configs)
+        for r in range(args.repeats):
+            for i in range(len(names)):
+                name = names[(i + r) % len(names)]
+                rates[name].append(configs[name](r))
+            print(f"round {r + 1}/{args.repeats} done", flush=True)
+    finally:
+        stack.stop()
+    info["load_average_end"] = list(os.getloadavg())
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    rows = [
+        ("greedy", "runs8@0", "runs1@0", "generate()@0"),
+        ("T=1", "runs8@1", "runs1@1", "generate()@1"),
+    ]
+    lines = [
+        "# Plain runs, side by side",
+        "",
+        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
+        f"{info['cpu_cores']} cores; load average {info['load_average']} at the start, "
+        f"{info['load_average_end']} at the end. {args.repeats} interleaved rounds; "
+        f"8 prompts x {MAX_NEW} new tokens; medians.",
+        "",
+        "| | runs (8) tok/s | one token per round trip | runs / one | `generate()` | "
+        "runs / `generate()` |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, a, b, g in rows:
+        lines.append(
+            f"| {label} | {med[a]:.1f} | {med[b]:.1f} | {med[a] / med[b]:.2f} | {med[g]:.1f} | "
+            f"{med[a] / med[g]:.2f} |"
+        )
+    a, b = f"runs8 x{CLIENTS} clients@1", f"runs1 x{CLIENTS} clients@1"
+    lines.append(
+        f"| {CLIENTS} clients, T=1 (aggregate) | {med[a]:.1f} | {med[b]:.1f} | "
+        f"{med[a] / med[b]:.2f} | | |"
+    )
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps({"machine": info, "rates": rates, "median": med}, indent=2)
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
