@@ -69,6 +69,10 @@ def _generate(model, tok, temperature: float, r: int) -> float:
     return tokens / secs
 
 
+def _loads(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -120,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "# Plain runs, side by side",
         "",
         f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
-        f"{info['cpu_cores']} cores; load average {info['load_average']} at the start, "
-        f"{info['load_average_end']} at the end. {args.repeats} interleaved rounds; "
+        f"{info['cpu_cores']} cores; load average {_loads(info['load_average'])} at the start, "
+        f"{_loads(info['load_average_end'])} at the end. {args.repeats} interleaved rounds; "
         f"8 prompts x {MAX_NEW} new tokens; medians.",
         "",
         "| | runs (8) tok/s | one token per round trip | runs / one | `generate()` | "
