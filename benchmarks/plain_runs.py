@@ -16,47 +16,30 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
-from .run import hf_generate
+from .run import _run_prompts, clients_round, hf_generate
 
 MAX_NEW = 64
 CLIENTS = 8
 
 
 def _sequential(address: str, temperature: float, r: int) -> float:
+    """The prompts one after the other through one orchestrator: tok/s."""
     c = Client(address)
-    tokens = secs = 0.0
-    for j, prompt in enumerate(PROMPTS[:8]):
-        res = c.generate(prompt, MAX_NEW, temperature=temperature, gamma=0, seed=1000 * r + j)
-        tokens, secs = tokens + res["tokens"], secs + res["wall_s"]
+    t = _run_prompts(c, PROMPTS[:8], MAX_NEW, {"temperature": temperature, "gamma": 0}, r)
     c.close()
-    return tokens / secs
+    return t["tokens"] / t["wall_s"]
 
 
 def _concurrent(address: str, r: int) -> float:
-    barrier = threading.Barrier(CLIENTS)
-
-    def client(i: int) -> int:
-        c = Client(address)
-        barrier.wait()
-        n = 0
-        for k in range(2):
-            f = {"temperature": 1.0, "gamma": 0, "seed": 10_000 * r + 100 * i + k}
-            n += c.generate(PROMPTS[(i + k) % len(PROMPTS)], MAX_NEW, **f)["tokens"]
-        c.close()
-        return n
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(CLIENTS) as pool:
-        tokens = sum(pool.map(client, range(CLIENTS)))
-    return tokens / (time.perf_counter() - t0)
+    """CLIENTS clients at once, 2 requests each (T=1): aggregate tok/s."""
+    fields = {"temperature": 1.0, "gamma": 0}
+    return clients_round(address, CLIENTS, fields, PROMPTS, 2, MAX_NEW, r)[0]
 
 
 def _generate(model, tok, temperature: float, r: int) -> float:

@@ -392,6 +392,37 @@ def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
 
 
 # ---- 7. concurrent clients ------------------------------------------------------------------
+def clients_round(
+    address: str, n: int, fields: dict, prompts, requests: int, max_new_tokens: int, r: int
+) -> tuple[float, list[float]]:
+    """n clients at once, each sending ``requests`` requests one after the other:
+    (aggregate tok/s, every request's latency). Seeded per client and request
+    unless ``fields`` has a seed (None: unseeded)."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(n)
+
+    def client_loop(i: int) -> int:
+        c = Client(address)
+        barrier.wait()
+        tokens = 0
+        for k in range(requests):
+            f = dict(fields)
+            if "seed" not in f:
+                f["seed"] = 10_000 * r + 100 * i + k
+            res = c.generate(prompts[(i + k) % len(prompts)], max_new_tokens, **f)
+            tokens += res["tokens"]
+            with lock:
+                latencies.append(res["wall_s"])
+        c.close()
+        return tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        tokens = sum(pool.map(client_loop, range(n)))
+    return tokens / (time.perf_counter() - t0), latencies
+
+
 def concurrency_section(stack, plan: Plan) -> dict:
     address = stack.orchestrator_address
     modes = {
@@ -405,34 +436,11 @@ def concurrency_section(stack, plan: Plan) -> dict:
         for mode, fields in modes.items():
             agg, lat = [], []
             for r in range(plan.concurrency_repeats):
-                latencies: list[float] = []
-                lock = threading.Lock()
-                barrier = threading.Barrier(n)
-
-                def client_loop(
-                    i: int, fields=fields, latencies=latencies, lock=lock, r=r, barrier=barrier
-                ):
-                    c = Client(address)
-                    barrier.wait()
-                    tokens = 0
-                    for k in range(plan.concurrency_requests):
-                        f = dict(fields)
-                        if "seed" not in f:
-                            f["seed"] = 10_000 * r + 100 * i + k
-                        res = c.generate(
-                            plan.prompts[(i + k) % len(plan.prompts)], plan.max_new_tokens, **f
-                        )
-                        tokens += res["tokens"]
-                        with lock:
-                            latencies.append(res["wall_s"])
-                    c.close()
-                    return tokens
-
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(n) as pool:
-                    tokens = sum(pool.map(client_loop, range(n)))
-                wall = time.perf_counter() - t0
-                agg.append(tokens / wall)
+                tok_s, latencies = clients_round(
+                    address, n, fields, plan.prompts, plan.concurrency_requests,
+                    plan.max_new_tokens, r,
+                )  # fmt: skip
+                agg.append(tok_s)
                 lat.append(median(latencies))
             row[mode] = {"tok_s": median(agg), "p50_latency_s": median(lat), "runs": agg}
         out[str(n)] = row

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
+from specdec.config import MAX_GAMMA
 from specdec.errors import require
-from specdec.model_service import MAX_GAMMA, ModelService
+from specdec.model_service import ModelService
 from specdec.rng import generator
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed

@@ -372,8 +372,9 @@ class Generation:
         proposal, self.ahead = self.ahead, None
         drafted_now = proposal is None
         overlap = False
+        plain_run = self.plain_run(remaining)  # tokens of this step if it is plain
         if proposal is None:
-            gamma, overlap = self.policy.choose(remaining - 1, self.plain_run(remaining))
+            gamma, overlap = self.policy.choose(remaining - 1, plain_run)
             if gamma and self.draft is not None:
                 proposal = await self.draft.propose(gamma, draft_seed)
         else:  # drafted during the last verify; keep drafting ahead if it pays
@@ -389,7 +390,7 @@ class Generation:
                 ahead_task = asyncio.ensure_future(
                     self.draft.propose(next_gamma, ahead_seed, ahead=cursor)
                 )
-        run = 1 if drafts else self.plain_run(remaining)
+        run = 1 if drafts else plain_run
         pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
         try:
             verdict = await self.target.verify(proposal, target_seed, self.spec.dense, pit, run)

@@ -18,6 +18,10 @@ from typing import Any
 
 import yaml
 
+# Most tokens one call to a model service may carry: drafted in one Propose,
+# checked in one Verify, or drawn in one plain run (the services enforce it).
+MAX_GAMMA = 64
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
 DEVICES = ("cpu", "cuda")
@@ -324,9 +328,9 @@ def _validate(cfg: Config) -> None:
         )
     if not 0.0 <= orch.wire_eps < 0.5:
         raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")
-    if orch.plain_run_tokens > 64:
+    if orch.plain_run_tokens > MAX_GAMMA:
         raise ConfigError(
-            f"orchestrator.plain_run_tokens: must be <= 64, got {orch.plain_run_tokens}"
+            f"orchestrator.plain_run_tokens: must be <= {MAX_GAMMA}, got {orch.plain_run_tokens}"
         )
     if orch.gamma > orch.max_gamma:
         raise ConfigError(

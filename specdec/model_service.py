@@ -32,8 +32,6 @@ from specdec.sessions import Session, SessionStore
 from specdec.wire import PROTOCOL_VERSION, check_tokens
 
 MAX_SESSION_ID_LEN = 128
-# Most tokens one Propose drafts or one Verify checks (both services share the bound).
-MAX_GAMMA = 64
 
 
 class ModelService:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.config import MAX_GAMMA
 from specdec.errors import FailedPrecondition, require
-from specdec.model_service import MAX_GAMMA, ModelService
+from specdec.model_service import ModelService
 from specdec.rng import uniforms
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed
