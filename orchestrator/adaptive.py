@@ -37,6 +37,15 @@ step that is slower than modelled loses to the others.
 Estimates are exponentially weighted. A request's acceptance rate is shrunk
 toward the pool's. While plain decoding wins, a step drafts now and then anyway
 so that the estimates stay current.
+
+**Checked against plain decoding, as measured** (``PlainGuard``). A model can
+be wrong in ways no calibration sees: one request's speculation slows every
+other session's shared passes, and on shared cores the draft's compute is the
+target's loss. So the adaptive requests of the pool run in epochs: mostly under
+the model's choices, and now and then under plain decoding forced, each epoch
+measuring what the requests got (tokens per second of request time). When plain
+decoding measures faster, it leads, and the model's choices get the trial
+epochs instead.
 Not for: running steps (``orchestrator.engine``).
 """
 
@@ -70,8 +79,9 @@ class _Ratio:
     4 and a = 0.75 it gives 0.58, since a step that stops at its first draft
     counts as much as one that accepted all four.)"""
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, smooth: float = _SMOOTH) -> None:
         self._num, self._den = value, 1.0
+        self._smooth = smooth
         self.seen = False
 
     @property
@@ -86,8 +96,8 @@ class _Ratio:
         if not self.seen:
             self._num, self._den, self.seen = num, den, True
         else:
-            self._num += _SMOOTH * (num - self._num)
-            self._den += _SMOOTH * (den - self._den)
+            self._num += self._smooth * (num - self._num)
+            self._den += self._smooth * (den - self._den)
 
 
 class _Line:
@@ -117,6 +127,96 @@ class _Line:
         return self.a + self.b * x
 
 
+# The measured check against plain decoding (PlainGuard).
+_EPOCH_S = 0.5  # an epoch lasts this long of each of its requests' time,
+_EPOCH_STEPS = 6  # and at least this many steps per request
+_WARMUP_EPOCHS = 2  # of each arm, alternating, before either leads
+_TRIAL_EVERY = 6  # the trailing arm runs one epoch in this many,
+_TRIAL_EVERY_FAR = 12  # or in this many while it trails by more than _FAR
+_FAR = 0.08
+_SWITCH = 0.03  # the trailing arm takes the lead once it measures this much faster
+_EPOCH_SMOOTH = 0.3  # weight of an epoch in its arm's rate
+ARMS = ("model", "plain")
+
+
+class PlainGuard:
+    """Adaptive speculation checked against plain decoding by measurement.
+
+    The adaptive requests of one sampling class (greedy, or sampled: their
+    acceptance differs) run in epochs, each under one arm: ``model`` (the cost
+    model's choices) or ``plain`` (every step plain). A step is charged to the
+    arm it was chosen under, with the tokens it emitted and its request's time
+    from its start to the next step's start (so the orchestrator's own work
+    counts); a request's prefill is charged too, with no tokens (under load it
+    waits behind the others' drafting, a cost of speculation). An epoch's
+    tokens / seconds update its arm's rate, exponentially weighted. The faster
+    arm leads; the other runs one epoch in ``_TRIAL_EVERY`` (``_TRIAL_EVERY_FAR``
+    while far behind) so that a change of load or network shows. Per
+    request-second, the two rates compare what every concurrent request gets, so
+    the cost of speculation to the others under load (rejected tokens in shared
+    passes, a draft competing for cores) is in them.
+    The price of the check is its trial epochs: a sixth of the time in the
+    slower arm while the two are close, a twelfth when it is more than 8% slower.
+    Epochs count the requests' time, not the clock's: an idle pool or one serving
+    only fixed-gamma requests does not end them.
+    """
+
+    def __init__(self) -> None:
+        self.rates = {arm: _Ratio(0.0, _EPOCH_SMOOTH) for arm in ARMS}
+        self.epochs = dict.fromkeys(ARMS, 0)
+        self._window = {arm: [0.0, 0.0] for arm in ARMS}  # tokens, seconds not yet folded
+        self.arm = "model"  # the current epoch's
+        self.leader = "model"
+        self._since_trial = 0
+        self._seconds = 0.0  # charged to the current epoch
+        self._steps = 0
+        self._requests: set[str] = set()
+
+    def record(self, arm: str, request: str, tokens: int, seconds: float) -> None:
+        """A step chosen under ``arm`` emitted ``tokens`` in ``seconds`` of its request."""
+        window = self._window[arm]
+        window[0] += tokens
+        window[1] += seconds
+        if arm != self.arm:  # chosen in an earlier epoch: counted at that arm's next close
+            return
+        self._steps += 1
+        self._seconds += seconds
+        self._requests.add(request)
+        n = len(self._requests)
+        if self._seconds >= _EPOCH_S * n and self._steps >= _EPOCH_STEPS * n:
+            self._close()
+
+    def _close(self) -> None:
+        arm = self.arm
+        tokens, seconds = self._window[arm]
+        self._window[arm] = [0.0, 0.0]
+        if seconds > 0:
+            self.rates[arm].add(tokens, seconds)
+            metrics.MEASURED_RATE.labels(arm).set(self.rates[arm].value)
+        self.epochs[arm] += 1
+        metrics.ARM_EPOCHS.labels(arm).inc()
+        self.arm = self._next(arm)
+        self._seconds, self._steps = 0.0, 0
+        self._requests.clear()
+
+    def _next(self, closed: str) -> str:
+        other = {"model": "plain", "plain": "model"}
+        if min(self.epochs.values()) < _WARMUP_EPOCHS:
+            return other[closed]
+        rate = {arm: self.rates[arm].value for arm in ARMS}
+        trailing = other[self.leader]
+        if rate[trailing] > rate[self.leader] * (1 + _SWITCH):
+            self.leader, trailing = trailing, self.leader
+        if closed == trailing:
+            return self.leader
+        far = rate[trailing] * (1 + _FAR) < rate[self.leader]
+        self._since_trial += 1
+        if self._since_trial >= (_TRIAL_EVERY_FAR if far else _TRIAL_EVERY) - 1:
+            self._since_trial = 0
+            return trailing
+        return self.leader
+
+
 @dataclass
 class CostModel:
     """The pool-wide estimates (one per orchestrator)."""
@@ -138,6 +238,8 @@ class CostModel:
     # seconds (their ratio calibrates step_cost).
     measured_s: dict = field(default_factory=dict)
     predicted_s: dict = field(default_factory=dict)
+    # The measured check against plain decoding, per sampling class (greedy: True).
+    guards: dict = field(default_factory=lambda: {True: PlainGuard(), False: PlainGuard()})
 
     # ---- observations ---------------------------------------------------------------
     def observe_draft(
@@ -259,9 +361,11 @@ class RequestPolicy:
     model: CostModel
     gamma: int | None  # fixed gamma, or None for adaptive
     overlap: bool  # drafting ahead allowed (fixed mode: used whenever gamma > 0)
+    greedy: bool = False  # its sampling class, for the check against plain decoding
     judged: int = 0  # drafts the target judged: accepted ones and first rejections
     accepted: int = 0
     plain_steps: int = 0
+    arm: str = "model"  # the PlainGuard arm of the last choice (adaptive requests)
 
     @property
     def alpha(self) -> float:
@@ -275,6 +379,10 @@ class RequestPolicy:
         if self.gamma is not None:
             g = min(self.gamma, limit)
             return g, self.overlap and g > 0
+        self.arm = self.model.guards[self.greedy].arm
+        if self.arm == "plain":
+            metrics.CHOSEN_GAMMA.observe(0)
+            return 0, False
         gamma, overlap = self.model.choose(self.alpha, limit, self.overlap, run)
         if gamma == 0 and limit > 0:
             self.plain_steps += 1

@@ -316,7 +316,7 @@ class Generation:
         self.pushed = 0  # tokens handed to the text stream (sent or held back)
         self.rng = generator(spec.seed)
         self.stats = Stats(prompt_tokens=len(spec.prompt), gamma=spec.gamma or 0)
-        self.policy = RequestPolicy(orch.cost, spec.gamma, spec.overlap)
+        self.policy = RequestPolicy(orch.cost, spec.gamma, spec.overlap, greedy=spec.params.greedy)
         self.ahead: Proposal | None = None  # the next draft, drafted during the last verify
         self.gammas: collections.Counter = collections.Counter()
         self.text = TextStream(orch.tokenizer, spec.stops, spec.prompt)
@@ -511,10 +511,22 @@ class Generation:
         metrics.PROMPT_TOKENS.inc(len(self.spec.prompt))
         finish = "length"
         last = self.start
+        guard = None  # the measured check against plain decoding, for adaptive requests
+        if self.spec.gamma is None and self.o.adaptive_plain_check:
+            guard = self.orch.cost.guards[self.policy.greedy]
+        charged = None  # (arm, tokens, start) of the last step: charged when the next starts
         try:
+            opened = time.perf_counter()
             await self.open()
+            if guard is not None:  # prefill waits behind the drafting of others: it counts
+                charged = (guard.arm, 0, opened)
             while self.pushed < self.spec.max_new_tokens:
+                t = time.perf_counter()
+                if charged is not None:
+                    guard.record(charged[0], self.sid, charged[1], t - charged[2])
                 new = await self.step()
+                if guard is not None:
+                    charged = (self.policy.arm, len(new), t)
                 new = new[: self.spec.max_new_tokens - self.pushed]
                 hit = next((i for i, t in enumerate(new) if t in self.eos), None)
                 if hit is not None:
@@ -542,6 +554,8 @@ class Generation:
                     break
             self.stats.finish_reason = finish
             self.stats.total_s = time.perf_counter() - self.start
+            if charged is not None:
+                guard.record(charged[0], self.sid, charged[1], time.perf_counter() - charged[2])
             self.stats.adaptive = self.spec.gamma is None
             if self.stats.steps:
                 self.stats.mean_gamma = self.stats.drafted / self.stats.steps

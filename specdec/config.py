@@ -106,6 +106,10 @@ class OrchestratorConfig:
     # speculation), unless a request says otherwise. Adaptive requests use it
     # only when the cost model expects it to pay.
     overlap: bool = True
+    # Check the cost model's choices against plain decoding by measurement: the
+    # adaptive requests decode plain in trial epochs, and plain decoding leads
+    # whenever it measures faster (orchestrator/adaptive.py, PlainGuard).
+    adaptive_plain_check: bool = True
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so

@@ -131,6 +131,23 @@ ESTIMATE = Gauge(
     ["quantity"],
     registry=None,
 )
+MEASURED_RATE = Gauge(
+    "specdec_adaptive_measured_rate",
+    "Tokens per second of an adaptive request as measured (exponentially weighted over "
+    "epochs), under the cost model's choices (arm=model) and under plain decoding (arm=plain).",
+    ["arm"],
+    registry=None,
+)
+ARM_EPOCHS = Counter(
+    "specdec_adaptive_epochs_total",
+    "Epochs in which adaptive requests followed the cost model (arm=model) or decoded "
+    "plain (arm=plain): the measured check that speculation beats plain decoding.",
+    ["arm"],
+    registry=None,
+)
+for _arm in ("model", "plain"):  # both series exist from the start
+    MEASURED_RATE.labels(_arm)
+    ARM_EPOCHS.labels(_arm)
 OVERLAPPED_STEPS = Counter(
     "specdec_overlapped_steps_total",
     "Steps whose next draft was drafted during the verify: used (every draft accepted) "
@@ -295,6 +312,8 @@ _ORCHESTRATOR_METRICS = (
     SPECULATION_ENABLED,
     CHOSEN_GAMMA,
     ESTIMATE,
+    MEASURED_RATE,
+    ARM_EPOCHS,
     OVERLAPPED_STEPS,
     PIT_CHI2,
     PIT_WINDOW,

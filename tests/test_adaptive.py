@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.adaptive import CostModel, RequestPolicy
+from orchestrator.adaptive import CostModel, PlainGuard, RequestPolicy
 from specdec.sampling import expected_tokens_per_step
 
 
@@ -109,3 +109,61 @@ def test_the_pool_alpha_is_accepted_over_judged_not_a_mean_of_step_ratios():
         ratios.append(accepted / judged)
     assert sum(ratios) / len(ratios) < 0.62  # what a mean of per-step ratios would say
     assert abs(m.alpha.value - a) < 0.06, m.alpha.value
+
+
+# ---- the measured check against plain decoding (PlainGuard) ---------------------------------
+def _run_epochs(guard: PlainGuard, rates: dict, epochs: int) -> list[str]:
+    """Drive ``epochs`` epochs of 4 concurrent requests whose steps emit 4 tokens at
+    ``rates[arm]`` tok/s; the arm of each epoch, in order."""
+    arms = []
+    for _ in range(epochs):
+        arm, done = guard.arm, guard.epochs[guard.arm]
+        arms.append(arm)
+        while guard.epochs[arm] == done:
+            for r in range(4):
+                guard.record(arm, f"r{r}", 4, 4 / rates[arm])
+    return arms
+
+
+def test_plain_decoding_that_measures_faster_leads_and_the_model_gets_trials():
+    guard = PlainGuard()
+    arms = _run_epochs(guard, {"model": 95.0, "plain": 100.0}, 64)
+    assert arms[:4] == ["model", "plain", "model", "plain"]  # warm-up: both measured
+    assert guard.leader == "plain"
+    assert abs(guard.rates["plain"].value - 100.0) < 1e-6
+    later = arms[4:]
+    assert later.count("model") == len(later) // 6  # one trial epoch in six, not more
+    cost = model()
+    cost.guards[True] = guard
+    policy = RequestPolicy(cost, gamma=None, overlap=True, greedy=True)
+    if guard.arm == "plain":
+        assert policy.choose(8, run=8) == (0, False) and policy.arm == "plain"
+    # A request that set gamma is not part of the check, nor is the other class.
+    assert RequestPolicy(cost, gamma=3, overlap=False, greedy=True).choose(8) == (3, False)
+    assert cost.guards[False].epochs == {"model": 0, "plain": 0}
+
+
+def test_a_model_far_ahead_of_plain_is_rarely_checked_and_a_change_is_seen():
+    guard = PlainGuard()
+    arms = _run_epochs(guard, {"model": 130.0, "plain": 100.0}, 64)
+    assert guard.leader == "model"
+    assert arms[4:].count("plain") == len(arms[4:]) // 12  # far behind: one in twelve
+    # The network slows down: speculation now loses to plain decoding, and the
+    # trial epochs find it.
+    arms = _run_epochs(guard, {"model": 60.0, "plain": 100.0}, 40)
+    assert guard.leader == "plain"
+    assert arms[-12:].count("plain") >= 9
+
+
+def test_an_epoch_is_its_requests_time_and_a_late_step_counts_for_its_own_arm():
+    guard = PlainGuard()
+    for _ in range(50):  # one request, 50 short steps: 0.05 s of its time, not an epoch
+        guard.record("model", "r0", 1, 0.001)
+    assert guard.epochs["model"] == 0
+    _run_epochs(guard, {"model": 100.0, "plain": 100.0}, 1)
+    assert guard.arm == "plain"
+    guard.record("model", "late", 1000, 1.0)  # chosen under the model, done now
+    assert guard.epochs["plain"] == 0 and guard._steps == 0
+    _run_epochs(guard, {"model": 100.0, "plain": 100.0}, 2)
+    assert guard.rates["model"].value > 150.0  # the late step is in the model's epoch
+    assert abs(guard.rates["plain"].value - 100.0) < 1e-6

@@ -21,7 +21,7 @@ from specdec.errors import Unavailable
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams, Verdict
 
-SECONDS = 45
+SECONDS = 30
 CLIENTS = 32
 
 

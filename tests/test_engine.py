@@ -56,3 +56,43 @@ def test_same_seed_same_output_and_64_bit_seeds_differ(llama_pair, temperature):
     assert outs[5][0] == outs[5][1]
     if temperature:
         assert len({tuple(v[0]) for v in outs.values()}) == 3
+
+
+def test_adaptive_steps_are_charged_to_the_plain_check_and_stay_exact(llama_pair, monkeypatch):
+    """Every step of an adaptive request is charged to the PlainGuard arm it was
+    chosen under (all its tokens, positive seconds); under the plain arm no step
+    drafts; greedy output is generate()'s under either arm."""
+    from orchestrator import adaptive
+
+    monkeypatch.setattr(adaptive, "_EPOCH_STEPS", 10**6)  # one epoch per arm, set below
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("which arm")
+    want = _reference(target, ids, 24)
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            guard = system.orch.cost.guards[True]
+            charged: list[tuple[str, int, float]] = []
+            record = guard.record
+
+            def spy(arm: str, request: str, tokens: int, seconds: float) -> None:
+                charged.append((arm, tokens, seconds))
+                record(arm, request, tokens, seconds)
+
+            guard.record = spy
+            for arm in ("model", "plain"):
+                guard.arm = arm
+                got, _, stats = await system.generate(
+                    prompt=ids, max_new_tokens=24, temperature=0.0
+                )
+                assert got == want, arm
+                assert stats.adaptive
+                if arm == "plain":
+                    assert stats.drafted == 0
+                mine = [c for c in charged if c[0] == arm]
+                assert sum(tokens for _, tokens, _ in mine) == 24, arm
+                # the prefill (no tokens), then every step
+                assert len(mine) == stats.steps + 1 and all(s > 0 for _, _, s in mine), arm
+                assert mine[-stats.steps - 1][1] == 0
+
+    asyncio.run(scenario())

@@ -383,10 +383,10 @@ class Stack:
         wait_healthy(address, 300, [proc])
         return address, mport
 
-    def pin_extra(self, core: int) -> None:
-        """Run the extra orchestrators on this CPU."""
+    def pin_extra(self, cores: int | set[int]) -> None:
+        """Run the extra orchestrators on this CPU (or these)."""
         for proc in self.extra:
-            os.sched_setaffinity(proc.pid, {core})
+            os.sched_setaffinity(proc.pid, {cores} if isinstance(cores, int) else cores)
 
     def stop_extra(self) -> None:
         stop_local(self.extra)

@@ -1,0 +1,154 @@
+"""The measured check against plain decoding, side by side: one draft and one
+target service, orchestrators in front of them with ``adaptive_plain_check`` on
+(the default) and off, and plain decoding (gamma 0) through the same target.
+
+    python -m benchmarks.plain_check [--repeats 3] [--out results/plain-check-<time>]
+
+Two parts, each with its own warm-up run of every configuration (the check
+learns from it, as it would from a server's earlier traffic):
+- one client, the prompts one after the other, at added round-trip times
+  (``--rtts``, through the delay proxy to both services), greedy and T=1, the
+  services pinned as in ``make bench``'s round-trip sweep (draft, orchestrators
+  and this client on one core, the target on the other);
+- concurrent clients at T=1 (``--clients``), 3 requests of 64 tokens each, on
+  shared cores as in ``make bench``'s concurrency section.
+Rounds interleave the configurations, the order rotating; medians. Prints a
+table; writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from specdec.local.proxy import ProxyGroup
+
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .plain_runs import _loads
+from .run import DRAFT_CORE, _run_prompts, clients_round, pin_stack, unpin_self
+
+MAX_NEW = 64
+MODES = {  # name: (orchestrator, request fields)
+    "check": ("on", {"gamma": None, "seed": None}),
+    "no check": ("off", {"gamma": None, "seed": None}),
+    "plain": ("on", {"gamma": 0}),
+}
+
+
+def _one_client(address: str, fields: dict, r: int) -> float:
+    c = Client(address)
+    t = _run_prompts(c, PROMPTS[:8], MAX_NEW, fields, r)
+    c.close()
+    return t["tokens"] / t["wall_s"]
+
+
+def _interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
+    for fn in configs.values():  # warm up every path, and let the check learn
+        fn(99)
+    names = list(configs)
+    rates: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            rates[name].append(configs[name](r))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rtts", type=float, nargs="*", default=[2.0, 5.0])
+    ap.add_argument("--clients", type=int, nargs="*", default=[8, 16, 32])
+    ap.add_argument("--out", default=f"results/plain-check-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info("cpu")
+    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
+    proxies = ProxyGroup()
+    rates: dict[str, list[float]] = {}
+    try:
+        off = {
+            "orchestrator.adaptive_plain_check": False,
+            "orchestrator.max_concurrent_requests": 32,
+        }
+        direct = {"on": stack.orchestrator_address}
+        direct["off"] = stack.start_orchestrator(
+            "orchestrator-nocheck", stack.address("draft"), stack.address("target"), off
+        )[0]
+        d, t = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))
+        proxied = {
+            "on": stack.start_orchestrator("orchestrator-proxied", d, t)[0],
+            "off": stack.start_orchestrator("orchestrator-proxied-nocheck", d, t, off)[0],
+        }
+        pin_stack(stack)
+        stack.pin_extra(DRAFT_CORE)
+        for rtt in args.rtts:
+            proxies.set_rtt_ms(rtt)
+            configs = {}
+            for temp in (0.0, 1.0):
+                for mode, (orch, fields) in MODES.items():
+                    f = {**fields, "temperature": temp}
+                    configs[f"{mode}@{temp:g} +{rtt:g}ms"] = lambda r, a=proxied[orch], f=f: (
+                        _one_client(a, f, r)
+                    )
+            rates |= _interleaved(configs, args.repeats)
+            print(f"RTT +{rtt:g} ms done", flush=True)
+        every = set(range(os.cpu_count() or 1))
+        for role in ("draft", "target", "orchestrator"):
+            stack.pin(role, every)
+        stack.pin_extra(every)
+        unpin_self()
+        for n in args.clients:
+            configs = {
+                f"{mode} x{n}": (
+                    lambda r, a=direct[orch], f={**fields, "temperature": 1.0}, n=n: clients_round(
+                        a, n, f, PROMPTS, 3, MAX_NEW, r
+                    )[0]
+                )
+                for mode, (orch, fields) in MODES.items()
+            }
+            rates |= _interleaved(configs, args.repeats)
+            print(f"{n} clients done", flush=True)
+    finally:
+        stack.stop()
+        proxies.close()
+    info["load_average_end"] = list(os.getloadavg())
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    lines = [
+        "# The measured check against plain decoding, side by side",
+        "",
+        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
+        f"{info['cpu_cores']} cores; load average {_loads(info['load_average'])} at the start, "
+        f"{_loads(info['load_average_end'])} at the end. {args.repeats} interleaved rounds "
+        f"after a warm-up run; medians. Adaptive requests (gamma unset) with the check on "
+        f"and off; plain = gamma 0.",
+        "",
+        "| | check tok/s | no check | plain | check / plain | no check / plain | "
+        "check / no check |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = [(f"{'greedy' if t == 0 else 'T=1'}, +{rtt:g} ms RTT, 1 client", f"@{t:g} +{rtt:g}ms")
+            for rtt in args.rtts for t in (0.0, 1.0)]  # fmt: skip
+    rows += [(f"{n} clients, T=1 (aggregate)", f" x{n}") for n in args.clients]
+    for label, key in rows:
+        c, nc, p = med[f"check{key}"], med[f"no check{key}"], med[f"plain{key}"]
+        lines.append(
+            f"| {label} | {c:.1f} | {nc:.1f} | {p:.1f} | {c / p:.2f} | {nc / p:.2f} | "
+            f"{c / nc:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps({"machine": info, "rates": rates, "median": med}, indent=2)
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
