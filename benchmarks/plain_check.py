@@ -1,6 +1,6 @@
 """The measured check against plain decoding, side by side: one draft and one
 target service, orchestrators in front of them with ``adaptive_plain_check`` on
-(the default) and off, and plain decoding (gamma 0) through the same target.
+and off (the default), and plain decoding (gamma 0) through the same target.
 
     python -m benchmarks.plain_check [--repeats 3] [--out results/plain-check-<time>]
 
@@ -72,18 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     proxies = ProxyGroup()
     rates: dict[str, list[float]] = {}
     try:
-        off = {
-            "orchestrator.adaptive_plain_check": False,
-            "orchestrator.max_concurrent_requests": 32,
+
+        def sets(check: bool) -> dict:
+            return {
+                "orchestrator.adaptive_plain_check": check,
+                "orchestrator.max_concurrent_requests": 32,
+            }
+
+        d, t = stack.address("draft"), stack.address("target")
+        direct = {
+            "on": stack.start_orchestrator("orchestrator-check", d, t, sets(True))[0],
+            "off": stack.start_orchestrator("orchestrator-nocheck", d, t, sets(False))[0],
         }
-        direct = {"on": stack.orchestrator_address}
-        direct["off"] = stack.start_orchestrator(
-            "orchestrator-nocheck", stack.address("draft"), stack.address("target"), off
-        )[0]
-        d, t = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))
+        d, t = proxies.add(d), proxies.add(t)
         proxied = {
-            "on": stack.start_orchestrator("orchestrator-proxied", d, t)[0],
-            "off": stack.start_orchestrator("orchestrator-proxied-nocheck", d, t, off)[0],
+            "on": stack.start_orchestrator("orchestrator-proxied", d, t, sets(True))[0],
+            "off": stack.start_orchestrator("orchestrator-proxied-nocheck", d, t, sets(False))[0],
         }
         pin_stack(stack)
         stack.pin_extra(DRAFT_CORE)

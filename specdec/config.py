@@ -108,8 +108,9 @@ class OrchestratorConfig:
     overlap: bool = True
     # Check the cost model's choices against plain decoding by measurement: the
     # adaptive requests decode plain in trial epochs, and plain decoding leads
-    # whenever it measures faster (orchestrator/adaptive.py, PlainGuard).
-    adaptive_plain_check: bool = True
+    # whenever it measures faster (orchestrator/adaptive.py, PlainGuard). For
+    # sustained heavy load; off by default (docs/benchmarks.md says why).
+    adaptive_plain_check: bool = False
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so
