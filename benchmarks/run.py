@@ -483,12 +483,15 @@ def large_vocab_wire(out: Path, plan: Plan, gamma: int) -> dict:
     from specdec.local.stack import local_stack
     from tests.tiny import build_large_vocab_pair
 
-    models = Path(tempfile.mkdtemp(prefix="specdec-bench-vocab-"))
-    draft, target = build_large_vocab_pair(models)
     rows = {}
-    with local_stack(
-        out / "large-vocab", draft, target, log_dir=out / "logs" / "large-vocab"
-    ) as st:
+    with (
+        tempfile.TemporaryDirectory(prefix="specdec-bench-vocab-") as models,
+        local_stack(
+            out / "large-vocab",
+            *build_large_vocab_pair(Path(models)),
+            log_dir=out / "logs" / "large-vocab",
+        ) as st,
+    ):
         client = Client(st.orchestrator_address)
         prompts = [[3, 1000, 70_000, 151_000, 42]]
         for g in (1, gamma):

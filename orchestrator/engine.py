@@ -521,12 +521,12 @@ class Generation:
             if guard is not None:  # prefill waits behind the drafting of others: it counts
                 charged = (guard.arm, 0, opened)
             while self.pushed < self.spec.max_new_tokens:
-                t = time.perf_counter()
+                began = time.perf_counter()
                 if charged is not None:
-                    guard.record(charged[0], self.sid, charged[1], t - charged[2])
+                    guard.record(charged[0], self.sid, charged[1], began - charged[2])
                 new = await self.step()
                 if guard is not None:
-                    charged = (self.policy.arm, len(new), t)
+                    charged = (self.policy.arm, len(new), began)
                 new = new[: self.spec.max_new_tokens - self.pushed]
                 hit = next((i for i, t in enumerate(new) if t in self.eos), None)
                 if hit is not None:
