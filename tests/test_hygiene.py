@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .test_observability import PrometheusServer, _free_port, _tool
+from specdec.local.stack import free_port
+
+from .test_observability import PrometheusServer, _tool
 
 REPO = Path(__file__).resolve().parent.parent
 KILL_BY_NAME = re.compile(r"\b(pkill|killall)\b|pgrep[^\n]*\|\s*xargs\s+kill")
@@ -62,7 +64,7 @@ def _ready(url: str) -> bool:
 def users_prometheus(tmp_path):
     """A Prometheus the tests did not start, as a user's would be: its own port, data dir."""
     binary = _tool("prometheus")
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "users.yml"
     config.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}}))
     with open(tmp_path / "users.log", "w") as log:

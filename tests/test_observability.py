@@ -22,7 +22,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from specdec.local.stack import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "deploy" / "prometheus" / "specdec-rules.yaml"
@@ -344,12 +345,6 @@ def test_threshold_stripping():
 # ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PrometheusServer:
     """A throw-away Prometheus: 1s scrapes and rule evaluations, data in a tmp dir.
 
@@ -358,7 +353,7 @@ class PrometheusServer:
     """
 
     def __init__(self, binary: str, workdir: Path, targets: dict[str, int]):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -35,8 +36,39 @@ ROLES = ("draft", "target", "orchestrator")
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
+_PICK = random.Random()  # not the global one: a test that seeds it must not fix our ports
+_HANDED_OUT: set[int] = set()  # by this process, perhaps not bound yet
+
+
+def _listen_range() -> tuple[int, int]:
+    """Ports the kernel never gives an outgoing connection: below its ephemeral
+    range (Linux: /proc/sys/net/ipv4/ip_local_port_range, usually 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(10_000, low - 12_000), low - 1
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for a service this process is about to start. Drawn below the
+    ephemeral range: a port the kernel handed out with bind(0) could be taken by
+    any outgoing connection (a client, a scrape) before the service binds it,
+    which made start-ups fail now and then with "Address already in use"."""
+    low, high = _listen_range()
+    for _ in range(200 if high > low else 0):
+        port = _PICK.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no such range here: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
