@@ -19,7 +19,6 @@ table; writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 from specdec.local.proxy import ProxyGroup
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
-from .plain_runs import _loads
+from .plain_runs import _loads, save_side_by_side
 from .run import DRAFT_CORE, _run_prompts, clients_round, pin_stack, unpin_self
 
 MAX_NEW = 64
@@ -145,12 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {c:.1f} | {nc:.1f} | {p:.1f} | {c / p:.2f} | {nc / p:.2f} | "
             f"{c / nc:.2f} |"
         )
-    text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
-    (out / "results.json").write_text(
-        json.dumps({"machine": info, "rates": rates, "median": med}, indent=2)
-    )
-    print(text)
+    save_side_by_side(out, lines, info, rates, med)
     return 0
 
 

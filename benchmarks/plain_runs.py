@@ -56,6 +56,16 @@ def _loads(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs)
 
 
+def save_side_by_side(out: Path, lines: list[str], info: dict, rates: dict, med: dict) -> None:
+    """Print the table and write it (results.md) and every rate (results.json) to ``out``."""
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps({"machine": info, "rates": rates, "median": med}, indent=2)
+    )
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -125,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {CLIENTS} clients, T=1 (aggregate) | {med[a]:.1f} | {med[b]:.1f} | "
         f"{med[a] / med[b]:.2f} | | |"
     )
-    text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
-    (out / "results.json").write_text(
-        json.dumps({"machine": info, "rates": rates, "median": med}, indent=2)
-    )
-    print(text)
+    save_side_by_side(out, lines, info, rates, med)
     return 0
 
 
