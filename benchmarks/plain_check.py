@@ -26,9 +26,9 @@ from pathlib import Path
 
 from specdec.local.proxy import ProxyGroup
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
-from .plain_runs import _loads, save_side_by_side
-from .run import DRAFT_CORE, _run_prompts, clients_round, pin_stack, unpin_self
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
+from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side_header
+from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
 
 MAX_NEW = 64
 MODES = {  # name: (orchestrator, request fields)
@@ -36,25 +36,6 @@ MODES = {  # name: (orchestrator, request fields)
     "no check": ("off", {"gamma": None, "seed": None}),
     "plain": ("on", {"gamma": 0}),
 }
-
-
-def _one_client(address: str, fields: dict, r: int) -> float:
-    c = Client(address)
-    t = _run_prompts(c, PROMPTS[:8], MAX_NEW, fields, r)
-    c.close()
-    return t["tokens"] / t["wall_s"]
-
-
-def _interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
-    for fn in configs.values():  # warm up every path, and let the check learn
-        fn(99)
-    names = list(configs)
-    rates: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(repeats):
-        for i in range(len(names)):
-            name = names[(i + r) % len(names)]
-            rates[name].append(configs[name](r))
-    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                 for mode, (orch, fields) in MODES.items():
                     f = {**fields, "temperature": temp}
                     configs[f"{mode}@{temp:g} +{rtt:g}ms"] = lambda r, a=proxied[orch], f=f: (
-                        _one_client(a, f, r)
+                        one_client(a, f, r)
                     )
-            rates |= _interleaved(configs, args.repeats)
+            rates |= interleaved(configs, args.repeats)
             print(f"RTT +{rtt:g} ms done", flush=True)
         every = set(range(os.cpu_count() or 1))
         for role in ("draft", "target", "orchestrator"):
@@ -115,22 +96,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for mode, (orch, fields) in MODES.items()
             }
-            rates |= _interleaved(configs, args.repeats)
+            rates |= interleaved(configs, args.repeats)
             print(f"{n} clients done", flush=True)
     finally:
         stack.stop()
         proxies.close()
     info["load_average_end"] = list(os.getloadavg())
     med = {k: statistics.median(v) for k, v in rates.items()}
-    lines = [
-        "# The measured check against plain decoding, side by side",
-        "",
-        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
-        f"{info['cpu_cores']} cores; load average {_loads(info['load_average'])} at the start, "
-        f"{_loads(info['load_average_end'])} at the end. {args.repeats} interleaved rounds "
-        f"after a warm-up run; medians. Adaptive requests (gamma unset) with the check on "
-        f"and off; plain = gamma 0.",
-        "",
+    lines = side_by_side_header(
+        "The measured check against plain decoding, side by side",
+        info,
+        f"{args.repeats} interleaved rounds after a warm-up run; medians. Adaptive requests "
+        f"(gamma unset) with the check on and off; plain = gamma 0.",
+    ) + [
         "| | check tok/s | no check | plain | check / plain | no check / plain | "
         "check / no check |",
         "|---|---|---|---|---|---|---|",

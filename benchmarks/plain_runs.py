@@ -28,10 +28,10 @@ MAX_NEW = 64
 CLIENTS = 8
 
 
-def _sequential(address: str, temperature: float, r: int) -> float:
+def one_client(address: str, fields: dict, r: int) -> float:
     """The prompts one after the other through one orchestrator: tok/s."""
     c = Client(address)
-    t = _run_prompts(c, PROMPTS[:8], MAX_NEW, {"temperature": temperature, "gamma": 0}, r)
+    t = _run_prompts(c, PROMPTS[:8], MAX_NEW, fields, r)
     c.close()
     return t["tokens"] / t["wall_s"]
 
@@ -52,8 +52,35 @@ def _generate(model, tok, temperature: float, r: int) -> float:
     return tokens / secs
 
 
+def interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
+    """Every configuration (a function of the round, giving tok/s) once to warm up,
+    then ``repeats`` rounds of all of them, the order rotating each round."""
+    for fn in configs.values():
+        fn(99)
+    names = list(configs)
+    rates: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            rates[name].append(configs[name](r))
+        print(f"round {r + 1}/{repeats} done", flush=True)
+    return rates
+
+
 def _loads(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def side_by_side_header(title: str, info: dict, detail: str) -> list[str]:
+    """A report's title and its line on the machine, the commit and the load."""
+    return [
+        f"# {title}",
+        "",
+        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
+        f"{info['cpu_cores']} cores; load average {_loads(info['load_average'])} at the start, "
+        f"{_loads(info['load_average_end'])} at the end. {detail}",
+        "",
+    ]
 
 
 def save_side_by_side(out: Path, lines: list[str], info: dict, rates: dict, med: dict) -> None:
@@ -94,17 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, address in (("runs8", runs8), ("runs1", runs1)):
             for t in (0.0, 1.0):
-                configs[f"{name}@{t:g}"] = lambda r, a=address, t=t: _sequential(a, t, r)
+                f = {"temperature": t, "gamma": 0}
+                configs[f"{name}@{t:g}"] = lambda r, a=address, f=f: one_client(a, f, r)
             configs[f"{name} x{CLIENTS} clients@1"] = lambda r, a=address: _concurrent(a, r)
-        for fn in configs.values():  # warm up every path once
-            fn(99)
-        rates: dict[str, list[float]] = {k: [] for k in configs}
-        names = list(configs)
-        for r in range(args.repeats):
-            for i in range(len(names)):
-                name = names[(i + r) % len(names)]
-                rates[name].append(configs[name](r))
-            print(f"round {r + 1}/{args.repeats} done", flush=True)
+        rates = interleaved(configs, args.repeats)
     finally:
         stack.stop()
     info["load_average_end"] = list(os.getloadavg())
@@ -113,14 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         ("greedy", "runs8@0", "runs1@0", "generate()@0"),
         ("T=1", "runs8@1", "runs1@1", "generate()@1"),
     ]
-    lines = [
-        "# Plain runs, side by side",
-        "",
-        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
-        f"{info['cpu_cores']} cores; load average {_loads(info['load_average'])} at the start, "
-        f"{_loads(info['load_average_end'])} at the end. {args.repeats} interleaved rounds; "
-        f"8 prompts x {MAX_NEW} new tokens; medians.",
-        "",
+    lines = side_by_side_header(
+        "Plain runs, side by side",
+        info,
+        f"{args.repeats} interleaved rounds; 8 prompts x {MAX_NEW} new tokens; medians.",
+    ) + [
         "| | runs (8) tok/s | one token per round trip | runs / one | `generate()` | "
         "runs / `generate()` |",
         "|---|---|---|---|---|---|",

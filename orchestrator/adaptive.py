@@ -137,6 +137,7 @@ _FAR = 0.08
 _SWITCH = 0.03  # the trailing arm takes the lead once it measures this much faster
 _EPOCH_SMOOTH = 0.3  # weight of an epoch in its arm's rate
 ARMS = ("model", "plain")
+_OTHER = {"model": "plain", "plain": "model"}
 
 
 class PlainGuard:
@@ -200,11 +201,10 @@ class PlainGuard:
         self._requests.clear()
 
     def _next(self, closed: str) -> str:
-        other = {"model": "plain", "plain": "model"}
         if min(self.epochs.values()) < _WARMUP_EPOCHS:
-            return other[closed]
+            return _OTHER[closed]
         rate = {arm: self.rates[arm].value for arm in ARMS}
-        trailing = other[self.leader]
+        trailing = _OTHER[self.leader]
         if rate[trailing] > rate[self.leader] * (1 + _SWITCH):
             self.leader, trailing = trailing, self.leader
         if closed == trailing:
