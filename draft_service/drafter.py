@@ -17,7 +17,7 @@ from specdec.model_service import ModelService
 from specdec.rng import generator
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed
-from specdec.sampling import Proposal, SamplingParams, SparseQ, sparse_q
+from specdec.sampling import Proposal, SamplingParams, SparseQ, draft_position
 from specdec.sessions import Session
 from specdec.wire import WireShape
 
@@ -49,7 +49,7 @@ class Drafter(ModelService):
 
     def _draft(self, session: Session, feed: list[int], gamma: int, seed: int) -> Job:
         """gamma forwards, each drawing x_i from its q_i; x_gamma is not fed."""
-        rng = generator(seed)
+        rng = None if session.params.greedy else generator(seed)  # greedy: no draws
         shape: WireShape = session.extra
         tokens: list[int] = []
         qs: list[SparseQ] = []
@@ -58,8 +58,9 @@ class Drafter(ModelService):
             logits = yield Feed(session.kv, feed, 1)  # [1, vocab]
             forward_s += self.loop.last_batch.seconds
             batch_tokens += self.loop.last_batch.tokens
-            q = sparse_q(logits[0], session.params, shape.max_entries, shape.eps, shape.bits)
-            x = q.sample(rng)
+            x, q = draft_position(
+                logits[0], session.params, shape.max_entries, shape.eps, shape.bits, rng
+            )
             tokens.append(x)
             qs.append(q)
             feed = [x]

@@ -30,6 +30,7 @@ Not for: models, caches or the wire format (``specdec.wire``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,41 @@ class SparseQ:
         return u + int(np.searchsorted(listed - np.arange(len(listed)), u, side="right"))
 
 
+def _entries(qs: list[SparseQ]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every listed entry of q_1..q_gamma at once: its position, id and probability
+    (float64, exact: counts over a power of two), and each position's tail share."""
+    sizes = [len(q.ids) for q in qs]
+    row = np.repeat(np.arange(len(qs)), sizes)  # [total]
+    ids = np.concatenate([q.ids for q in qs])  # [total]
+    listed = np.concatenate([q.counts / q.scale for q in qs])  # [total]
+    share = np.array(  # [gamma] q of each unlisted token
+        [q.tail / (q.scale * (q.vocab - len(q.ids))) if q.tail else 0.0 for q in qs]
+    )
+    return row, ids, listed, share
+
+
+def drafted_probs(qs: list[SparseQ], tokens) -> list[float]:
+    """q_i(x_i) for each drafted token, exactly as ``SparseQ.prob`` gives it. [gamma]"""
+    if not qs:
+        return []
+    row, ids, listed, share = _entries(qs)
+    hit = ids == np.asarray(tokens, dtype=np.int64)[row]  # [total] the drafted token's entry
+    out = share.copy()
+    out[row[hit]] = listed[hit]
+    return out.tolist()
+
+
+def dense_qs(qs: list[SparseQ], device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """q_1..q_gamma over the whole vocabulary in one scatter: [gamma, vocab]. Each
+    row equals ``SparseQ.dense`` (counts over 2^bits round once to ``dtype``)."""
+    row, ids, listed, share = _entries(qs)
+    out = torch.tensor(share, dtype=dtype, device=device)[:, None].repeat(1, qs[0].vocab)
+    out[torch.from_numpy(row).to(device), torch.from_numpy(ids).to(device)] = torch.from_numpy(
+        listed
+    ).to(device=device, dtype=dtype)
+    return out
+
+
 def sparse_q(
     logits: torch.Tensor, params: SamplingParams, max_entries: int, eps: float, bits: int = 16
 ) -> SparseQ:
@@ -167,14 +203,22 @@ def sparse_q(
         return SparseQ.point(int(logits.argmax()), vocab)
     k = vocab if max_entries <= 0 else min(max_entries, vocab)
     if params.full_support and logits.device.type == "cpu":
-        # One row on the CPU: numpy's calls cost a few microseconds where torch's cost tens.
-        z = logits.detach().numpy().astype(np.float64)  # [vocab]
+        # One row on the CPU: numpy's calls cost a few microseconds where torch's cost
+        # tens. The scores stay float32 (the sum of the exponentials is taken in float64);
+        # only the k listed probabilities are formed in float64. Precision here moves
+        # counts, never exactness: the draft samples from the counts it sends.
+        z = logits.detach().float().numpy()  # [vocab]
         if params.temperature != 1.0:
-            z /= params.temperature
-        e = np.exp(z - z.max())  # [vocab]
-        ids = np.argpartition(-z, k - 1)[:k] if k < vocab else np.arange(vocab)
-        ids = ids[np.argsort(-z[ids], kind="stable")]  # [k], most likely first
-        probs = e[ids] / e.sum()
+            z = z / np.float32(params.temperature)
+        ids = np.argpartition(z, vocab - k)[vocab - k :] if k < vocab else np.arange(vocab)
+        if eps > 0:  # the cut by mass walks the list most likely first
+            ids = ids[np.argsort(-z[ids], kind="stable")]  # [k]
+        else:  # no cut: only the most likely needs to lead (rounding leftovers go to it)
+            j = int(np.argmax(z[ids]))
+            ids[[0, j]] = ids[[j, 0]]
+        top = float(z[ids[0]])
+        log_total = top + math.log(float(np.exp(z - top).sum(dtype=np.float64)))
+        probs = np.exp(z[ids].astype(np.float64) - log_total)  # [k] warped mass of each
     else:
         scores = logits.float() / params.temperature
         if not params.full_support:
@@ -186,13 +230,30 @@ def sparse_q(
     return quantize(ids.astype(np.int64), probs, vocab, eps, bits, keep_tail=params.full_support)
 
 
+def draft_position(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    max_entries: int,
+    eps: float,
+    bits: int,
+    rng: np.random.Generator | None,
+) -> tuple[int, SparseQ]:
+    """One drafted position: q_i as the wire carries it (``sparse_q``) and x_i drawn
+    from exactly that q_i. logits: [vocab]. Greedy q is a point, whose draw needs
+    no randomness: ``rng`` may be None there."""
+    q = sparse_q(logits, params, max_entries, eps, bits)
+    return (int(q.ids[0]) if params.greedy else q.sample(rng)), q
+
+
 def quantize(
     ids: np.ndarray, probs: np.ndarray, vocab: int, eps: float, bits: int, keep_tail: bool
 ) -> SparseQ:
-    """Integer counts out of 2^bits for ``probs`` (sorted, most likely first).
+    """Integer counts out of 2^bits for ``probs`` (the most likely first; sorted
+    throughout when eps > 0).
 
     ids, probs: [k]. The listed set is cut where the cumulative mass first
-    reaches 1 - eps; ``keep_tail`` spreads the rest over the unlisted tokens.
+    reaches 1 - eps (with eps = 0 only rounding noise is cut, whatever the order);
+    ``keep_tail`` spreads the rest over the unlisted tokens.
     """
     scale = 1 << bits
     cum = np.cumsum(probs)
@@ -300,7 +361,9 @@ def verify_draft(
     candidate token needs (``pit_terms``); never for greedy (p is one-hot there).
     """
     gamma = len(draft_tokens)
-    q_draft = [q.prob(x) for q, x in zip(qs, draft_tokens, strict=True)]
+    if len(qs) != gamma:
+        raise ValueError(f"{gamma} drafted tokens but {len(qs)} distributions")
+    q_draft = drafted_probs(qs, draft_tokens)  # [gamma]
     if params.greedy:
         # p one-hot at a: p_i(x_i) = [x_i == a_i], residual = a_i (see residual_distribution).
         argmax = logits.argmax(dim=-1).tolist()  # [gamma + 1]
@@ -316,7 +379,7 @@ def verify_draft(
     p_draft = p[:gamma].gather(-1, drafts[:, None]).squeeze(-1)  # [gamma]
     rows = p
     if gamma:
-        q = torch.stack([q.dense(p.device, p.dtype) for q in qs])  # [gamma, vocab]
+        q = dense_qs(qs, p.device, p.dtype)  # [gamma, vocab]
         rows = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
     drawn = inverse_cdf(rows, u).tolist()  # [gamma + 1]
     verdict = Verdict(

@@ -112,7 +112,7 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
     ids = np.concatenate([q.ids for q in qs])  # [total]
     counts = np.concatenate([q.counts for q in qs])
     row = np.repeat(np.arange(len(qs)), sizes)  # [total] the position of each entry
-    order = np.lexsort((ids, row))  # by position, then by id
+    order = np.argsort(row * qs[0].vocab + ids)  # by position, then by id (keys unique)
     ids, counts = ids[order], counts[order]
     deltas = np.diff(ids, prepend=0)
     starts = np.cumsum(sizes) - sizes  # each position's ids count from 0 again
@@ -200,17 +200,19 @@ def unpack_q(
     if first_bad:
         i = min(first_bad)
         raise InvalidArgument(f"{field}[{i}]", first_bad[i])
-    out = []
-    for i, x in enumerate(drafts):
-        s, e = int(starts[i]), int(ends[i])
-        q = SparseQ(ids[s:e], counts[s:e], int(tails[i]), vocab, bits)
-        require(
-            q.prob(x) > 0,
-            f"{field}[{i}]",
-            f"drafted token {x} has q = 0; it cannot have been drawn",
+    # Each drafted token must be listed, or fall in a tail with mass.
+    listed = np.zeros(gamma, dtype=bool)
+    listed[row[ids == np.asarray(drafts, dtype=np.int64)[row]]] = True
+    never = np.flatnonzero(~listed & (tails == 0))
+    if never.size:
+        i = int(never[0])
+        raise InvalidArgument(
+            f"{field}[{i}]", f"drafted token {drafts[i]} has q = 0; it cannot have been drawn"
         )
-        out.append(q)
-    return out
+    return [
+        SparseQ(ids[s:e], counts[s:e], int(t), vocab, bits)
+        for s, e, t in zip(starts.tolist(), ends.tolist(), tails.tolist(), strict=True)
+    ]
 
 
 # ---- model info --------------------------------------------------------------------------

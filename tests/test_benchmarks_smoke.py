@@ -125,3 +125,19 @@ def test_delay_proxy_forwards_and_delays():
     finally:
         proxies.close()
         srv.close()
+
+
+def test_step_math_writes_results(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",
+         "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    # per vocabulary: greedy once, then each wire top-k at T=1
+    assert [(r["temperature"], r["wire_top_k"]) for r in rows[:3]] == [(0, 16), (1, 16), (1, 64)]
+    assert len(rows) == 6 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)

@@ -125,6 +125,17 @@ def test_sparse_q_is_the_truncated_warped_q_quantized(params):
         torch.testing.assert_close(dense[q.ids], expected, rtol=0, atol=2 / 2**16)
 
 
+def test_sparse_q_takes_half_precision_logits():
+    """A bfloat16 or float16 draft's logits give the q their float32 values give."""
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(5)) * 3
+    for dtype in (torch.bfloat16, torch.float16):
+        half = logits.to(dtype)
+        a = sparse_q(half, SamplingParams(0.7), max_entries=32, eps=0.0)
+        b = sparse_q(half.float(), SamplingParams(0.7), max_entries=32, eps=0.0)
+        assert a.ids.tolist() == b.ids.tolist() and a.counts.tolist() == b.counts.tolist()
+        assert a.tail == b.tail
+
+
 def test_quantize_cuts_by_mass_and_rounds_by_largest_remainder():
     probs = np.array([0.5, 0.3, 0.15, 0.04, 0.01])
     ids = np.arange(5)

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from specdec.errors import InvalidArgument
 from specdec.rng import generator
-from specdec.sampling import SamplingParams, SparseQ, quantize, sparse_q
+from specdec.sampling import (
+    SamplingParams,
+    SparseQ,
+    dense_qs,
+    drafted_probs,
+    quantize,
+    sparse_q,
+)
 from specdec.wire import pack_q, unpack_q
 
 from .stats import tv, tv_threshold
@@ -45,6 +52,26 @@ def test_pack_unpack_round_trip(data):
         assert (b.tail, b.bits, b.vocab) == (q.tail, q.bits, q.vocab)
         for x in drafts:
             assert b.prob(x) == q.prob(x)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.data())
+def test_a_steps_qs_at_once_equal_each_q(data):
+    """The target's vectorized forms (one scatter for every row, one lookup for every
+    drafted token) give exactly what each SparseQ gives, listed token or tail."""
+    vocab = data.draw(st.sampled_from([73, 4096, QWEN_VOCAB]))
+    bits = data.draw(st.sampled_from([8, 16, 30]))
+    qs = [data.draw(sparse_qs(vocab, bits)) for _ in range(data.draw(st.integers(1, 5)))]
+    drafts = [
+        int(q.ids[data.draw(st.integers(0, len(q.ids) - 1))])
+        if data.draw(st.booleans()) or not q.tail
+        else data.draw(st.integers(0, vocab - 1).filter(lambda x, q=q: x not in q.ids))
+        for q in qs
+    ]
+    assert drafted_probs(qs, drafts) == [q.prob(x) for q, x in zip(qs, drafts, strict=True)]
+    for dtype in (torch.float64, torch.float32):
+        expected = torch.stack([q.dense(dtype=dtype) for q in qs])
+        assert torch.equal(dense_qs(qs, dtype=dtype), expected)
 
 
 def test_large_vocabulary_proposal_is_exact_and_compact():
