@@ -119,7 +119,7 @@ class OrchestratorConfig:
     # Most tokens each q lists on the wire (0 = no limit), and the mass it may
     # leave to its tail (spread evenly over every other token). The draft samples
     # from exactly what it sends: these cost acceptance, never exactness.
-    wire_top_k: int = 256
+    wire_top_k: int = 1024
     wire_eps: float = 0.0
     # Limits a request must respect.
     max_new_tokens: int = 1024

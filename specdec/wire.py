@@ -68,7 +68,7 @@ def check_tokens(field: str, values: Sequence[int], vocab: int, min_len: int = 0
 class WireShape:
     """How a session's q is cut and quantized (set by the orchestrator at open)."""
 
-    max_entries: int = 256  # most tokens listed (0: no limit)
+    max_entries: int = 1024  # most tokens listed (0: no limit)
     eps: float = 0.0  # mass that may go to the tail instead of the list
     bits: int = DEFAULT_Q_BITS  # counts are out of 2^bits
 
