@@ -1,7 +1,8 @@
 """How many entries each q lists on the wire (``wire_top_k``), side by side at T=1.
 
 One draft and one target service, pinned (the target on one core; the draft,
-the orchestrators and this client on the other), and one orchestrator per
+the orchestrators and this client on the other; ``--shared``: every process
+on both cores), and one orchestrator per
 ``wire_top_k`` in front of them. Rounds interleave every configuration (the
 order rotating); each round runs the prompts one after the other (64 new
 tokens, T=1) at a fixed gamma and adaptive. Reported per configuration: median
@@ -9,7 +10,8 @@ tok/s, the median of the per-round ratios to the first ``--top-k`` (paired: a
 slow spell of the machine moves both sides of a round alike), the acceptance
 rate of judged drafts and the wire bytes per generated token.
 
-    python -m benchmarks.wire_side_by_side [--top-k 256 1024 2048] [--repeats 5] [--out DIR]
+    python -m benchmarks.wire_side_by_side [--top-k 256 1024 2048] [--repeats 5] [--shared]
+        [--out DIR]
 
 Prints a table; writes results.json and results.md.
 """
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top-k", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shared", action="store_true", help="no pinning: all processes share")
     ap.add_argument("--out", default=f"results/wire-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1)
     try:
-        pin_stack(stack)
+        if not args.shared:
+            pin_stack(stack)
         configs = {}
         for k in args.top_k:
             address, _ = stack.start_orchestrator(
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"top-{k}, {label}"
                 fields = {"temperature": 1.0, "gamma": gamma, "overlap": False}
                 configs[name] = lambda r, a=address, n=name, f=fields: one(a, n, f, r)
-        stack.pin_extra(DRAFT_CORE)
+        if not args.shared:
+            stack.pin_extra(DRAFT_CORE)
         rates = interleaved(configs, args.repeats)
     finally:
         stack.stop()
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = side_by_side_header(
         "wire_top_k side by side (T=1)",
         info,
-        f"{args.repeats} interleaved rounds; 8 prompts x {MAX_NEW} new tokens; pinned; medians.",
+        f"{args.repeats} interleaved rounds; 8 prompts x {MAX_NEW} new tokens; "
+        f"{'shared cores' if args.shared else 'pinned'}; medians.",
     ) + [
         f"| | tok/s | paired ratio to top-{base} | alpha judged | wire bytes / token |",
         "|---|---|---|---|---|",
