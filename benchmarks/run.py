@@ -22,8 +22,8 @@ spell of the machine hits all of them alike. Sections, in order:
    the reference for what the network and gRPC cost.
 6. ``rtt``: added network round-trip time through the delay proxy (pinned).
 7. ``concurrency``: 1-32 clients at once: plain batched decoding and specdec.
-8. ``wire``: bytes on the wire per token and acceptance by q's shape; a tiny
-   random model with a 151,936-token vocabulary.
+8. ``wire``: bytes on the wire per token and acceptance by q's shape, the shapes'
+   rounds interleaved; a tiny random model with a 151,936-token vocabulary.
 9. ``settings``: the thread and affinity settings tried, and their effect.
 
 Writes results.json, results.md and PNG plots into the output folder and
@@ -455,20 +455,37 @@ def concurrency_section(stack, plan: Plan) -> dict:
 
 # ---- 8. the wire -----------------------------------------------------------------------------
 def wire_section(stack, plan: Plan, gamma: int) -> dict:
-    """T=1 at gamma through orchestrators with other q shapes: bytes/token and alpha."""
-    out = {}
+    """T=1 at gamma through orchestrators with other q shapes: bytes/token and alpha.
+    Every shape's orchestrator runs at once and the rounds interleave them (the order
+    rotating), so that a slow spell of the machine does not favour one shape."""
     shapes = {f"top{k}": {"orchestrator.wire_top_k": k} for k in plan.wire_ks}
     shapes["top1024_eps0.01"] = {"orchestrator.wire_top_k": 1024, "orchestrator.wire_eps": 0.01}
+    spec = {"temperature": 1.0, "gamma": gamma, "overlap": False}
+    modes = {"spec": spec, "dense": {**spec, "dense": True}}
+    clients = {}
     for name, sets in shapes.items():
         address, _ = stack.start_orchestrator(
             f"orchestrator-{name}", stack.address("draft"), stack.address("target"), sets
         )
-        client = Client(address)
-        configs = {"spec": {"temperature": 1.0, "gamma": gamma, "overlap": False}}
-        configs["dense"] = {**configs["spec"], "dense": True}
-        rows = measure(client, configs, plan.prompts, plan.max_new_tokens, max(1, plan.repeats - 1))
-        client.close()
+        clients[name] = Client(address)
+    keys = [(name, mode) for name in shapes for mode in modes]
+    try:
+        for name, mode in keys:  # warm every orchestrator and kind of call
+            _run_prompts(clients[name], plan.prompts[:1], 8, modes[mode], 0)
+        runs: dict[tuple[str, str], list[dict]] = {k: [] for k in keys}
+        for r in range(max(1, plan.repeats - 1)):
+            for i in range(len(keys)):
+                name, mode = keys[(i + r) % len(keys)]
+                runs[(name, mode)].append(
+                    _run_prompts(clients[name], plan.prompts, plan.max_new_tokens, modes[mode], r)
+                )
+    finally:
+        for client in clients.values():
+            client.close()
         stack.stop_extra()
+    out = {}
+    for name, sets in shapes.items():
+        rows = {mode: summarize(runs[(name, mode)], modes[mode]) for mode in modes}
         out[name] = {"settings": sets, "rows": rows}
         log(
             f"  {name}: {rows['spec']['tok_s']:.0f} tok/s, "
