@@ -148,16 +148,20 @@ def _run_prompts(client: Client, prompts, max_new_tokens: int, fields: dict, rep
     return total
 
 
-def measure(client: Client, configs: dict[str, dict], prompts, max_new_tokens, repeats) -> dict:
-    """Each configuration's median tok/s and its totals, repeats interleaved and rotated."""
+def measure(
+    client: Client | dict[str, Client], configs: dict[str, dict], prompts, max_new_tokens, repeats
+) -> dict:
+    """Each configuration's median tok/s and its totals, repeats interleaved and rotated.
+    ``client``: one for every configuration, or each configuration's own (by name)."""
     names = list(configs)
+    via = client if isinstance(client, dict) else dict.fromkeys(names, client)
     for name in names[:: max(1, len(names) // 4)]:  # warm every kind of call
-        _run_prompts(client, prompts[:1], 8, configs[name], 0)
+        _run_prompts(via[name], prompts[:1], 8, configs[name], 0)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(repeats):
         for i in range(len(names)):
             name = names[(i + r) % len(names)]
-            runs[name].append(_run_prompts(client, prompts, max_new_tokens, configs[name], r))
+            runs[name].append(_run_prompts(via[name], prompts, max_new_tokens, configs[name], r))
     return {name: summarize(runs[name], configs[name]) for name in names}
 
 
@@ -462,34 +466,29 @@ def wire_section(stack, plan: Plan, gamma: int) -> dict:
     shapes["top1024_eps0.01"] = {"orchestrator.wire_top_k": 1024, "orchestrator.wire_eps": 0.01}
     spec = {"temperature": 1.0, "gamma": gamma, "overlap": False}
     modes = {"spec": spec, "dense": {**spec, "dense": True}}
-    clients = {}
+    clients, configs = {}, {}
     for name, sets in shapes.items():
         address, _ = stack.start_orchestrator(
             f"orchestrator-{name}", stack.address("draft"), stack.address("target"), sets
         )
-        clients[name] = Client(address)
-    keys = [(name, mode) for name in shapes for mode in modes]
+        client = Client(address)
+        for mode, fields in modes.items():
+            clients[f"{name}|{mode}"], configs[f"{name}|{mode}"] = client, fields
     try:
-        for name, mode in keys:  # warm every orchestrator and kind of call
-            _run_prompts(clients[name], plan.prompts[:1], 8, modes[mode], 0)
-        runs: dict[tuple[str, str], list[dict]] = {k: [] for k in keys}
-        for r in range(max(1, plan.repeats - 1)):
-            for i in range(len(keys)):
-                name, mode = keys[(i + r) % len(keys)]
-                runs[(name, mode)].append(
-                    _run_prompts(clients[name], plan.prompts, plan.max_new_tokens, modes[mode], r)
-                )
+        rows = measure(
+            clients, configs, plan.prompts, plan.max_new_tokens, max(1, plan.repeats - 1)
+        )
     finally:
-        for client in clients.values():
+        for client in set(clients.values()):
             client.close()
         stack.stop_extra()
     out = {}
     for name, sets in shapes.items():
-        rows = {mode: summarize(runs[(name, mode)], modes[mode]) for mode in modes}
-        out[name] = {"settings": sets, "rows": rows}
+        out[name] = {"settings": sets, "rows": {m: rows[f"{name}|{m}"] for m in modes}}
+        spec_row = out[name]["rows"]["spec"]
         log(
-            f"  {name}: {rows['spec']['tok_s']:.0f} tok/s, "
-            f"{rows['spec']['wire_bytes_per_token']:.0f} B/token, alpha {rows['spec']['alpha']}"
+            f"  {name}: {spec_row['tok_s']:.0f} tok/s, "
+            f"{spec_row['wire_bytes_per_token']:.0f} B/token, alpha {spec_row['alpha']}"
         )
     return out
 

@@ -114,6 +114,11 @@ class SparseQ:
     def scale(self) -> int:
         return 1 << self.bits
 
+    @property
+    def tail_share(self) -> float:
+        """q of each unlisted token: the tail spread evenly over them (float64)."""
+        return self.tail / (self.scale * (self.vocab - len(self.ids))) if self.tail else 0.0
+
     @classmethod
     def point(cls, token: int, vocab: int) -> SparseQ:
         """All mass on one token (greedy drafting)."""
@@ -124,14 +129,11 @@ class SparseQ:
         hit = np.flatnonzero(self.ids == token)
         if hit.size:
             return float(self.counts[hit[0]]) / self.scale
-        unlisted = self.vocab - len(self.ids)
-        return self.tail / (self.scale * unlisted) if self.tail else 0.0
+        return self.tail_share
 
     def dense(self, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """q over the whole vocabulary: [vocab]."""
-        unlisted = self.vocab - len(self.ids)
-        fill = self.tail / (self.scale * unlisted) if self.tail else 0.0
-        q = torch.full((self.vocab,), fill, dtype=dtype, device=device)
+        q = torch.full((self.vocab,), self.tail_share, dtype=dtype, device=device)
         q[torch.from_numpy(self.ids).to(device)] = (
             torch.from_numpy(self.counts).to(device=device, dtype=dtype) / self.scale
         )
@@ -157,9 +159,7 @@ def _entries(qs: list[SparseQ]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     row = np.repeat(np.arange(len(qs)), sizes)  # [total]
     ids = np.concatenate([q.ids for q in qs])  # [total]
     listed = np.concatenate([q.counts / q.scale for q in qs])  # [total]
-    share = np.array(  # [gamma] q of each unlisted token
-        [q.tail / (q.scale * (q.vocab - len(q.ids))) if q.tail else 0.0 for q in qs]
-    )
+    share = np.array([q.tail_share for q in qs])  # [gamma] q of each unlisted token
     return row, ids, listed, share
 
 

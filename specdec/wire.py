@@ -17,7 +17,7 @@ import numpy as np
 
 from specdec.errors import InvalidArgument, require
 from specdec.runtime.loading import ModelInfo
-from specdec.sampling import SamplingParams, SparseQ
+from specdec.sampling import SamplingParams, SparseQ, drafted_probs
 from specdec.v1 import common_pb2
 
 # Version of the draft/target session protocol (ModelInfo.protocol_version).
@@ -200,19 +200,17 @@ def unpack_q(
     if first_bad:
         i = min(first_bad)
         raise InvalidArgument(f"{field}[{i}]", first_bad[i])
-    # Each drafted token must be listed, or fall in a tail with mass.
-    listed = np.zeros(gamma, dtype=bool)
-    listed[row[ids == np.asarray(drafts, dtype=np.int64)[row]]] = True
-    never = np.flatnonzero(~listed & (tails == 0))
-    if never.size:
+    qs = [
+        SparseQ(ids[s:e], counts[s:e], int(t), vocab, bits)
+        for s, e, t in zip(starts.tolist(), ends.tolist(), tails.tolist(), strict=True)
+    ]
+    never = np.flatnonzero(np.asarray(drafted_probs(qs, drafts)) == 0)
+    if never.size:  # each drafted token must be listed, or fall in a tail with mass
         i = int(never[0])
         raise InvalidArgument(
             f"{field}[{i}]", f"drafted token {drafts[i]} has q = 0; it cannot have been drawn"
         )
-    return [
-        SparseQ(ids[s:e], counts[s:e], int(t), vocab, bits)
-        for s, e, t in zip(starts.tolist(), ends.tolist(), tails.tolist(), strict=True)
-    ]
+    return qs
 
 
 # ---- model info --------------------------------------------------------------------------
