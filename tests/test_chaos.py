@@ -21,7 +21,7 @@ from specdec.errors import Unavailable
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams, Verdict
 
-SECONDS = 30
+SECONDS = 20
 CLIENTS = 32
 
 
@@ -32,7 +32,7 @@ def test_replicas_killed_under_load_lose_nothing(tmp_path, llama_pair):
         *llama_pair,
         seconds=SECONDS,
         clients=CLIENTS,
-        kill_every=(10.0, 15.0),
+        kill_every=(6.0, 8.0),
         victims=["target-0", "draft-1"],
         max_new_tokens=24,
         seed=7,
