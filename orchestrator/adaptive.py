@@ -160,14 +160,24 @@ class PlainGuard:
     slower arm while the two are close, a twelfth when it is more than 8% slower.
     Epochs count the requests' time, not the clock's: an idle pool or one serving
     only fixed-gamma requests does not end them.
+    One guard per load (``CostModel.guard``): which arm is faster changes with the
+    number of requests sharing the services, and a rate measured at one load says
+    little about another. A load seen for the first time starts from the nearest
+    one's rates and leader (no second warm-up), and its own epochs take over.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prior: PlainGuard | None = None) -> None:
         self.rates = {arm: _Ratio(0.0, _EPOCH_SMOOTH) for arm in ARMS}
         self.epochs = dict.fromkeys(ARMS, 0)
         self._window = {arm: [0.0, 0.0] for arm in ARMS}  # tokens, seconds not yet folded
         self.arm = "model"  # the current epoch's
         self.leader = "model"
+        if prior is not None:  # what a neighbouring load measured, until this one measures
+            for arm in ARMS:
+                if prior.rates[arm].seen:
+                    self.rates[arm].add(prior.rates[arm].value, 1.0)
+            self.epochs = dict(prior.epochs)
+            self.arm = self.leader = prior.leader
         self._since_trial = 0
         self._seconds = 0.0  # charged to the current epoch
         self._steps = 0
@@ -238,8 +248,19 @@ class CostModel:
     # seconds (their ratio calibrates step_cost).
     measured_s: dict = field(default_factory=dict)
     predicted_s: dict = field(default_factory=dict)
-    # The measured check against plain decoding, per sampling class (greedy: True).
-    guards: dict = field(default_factory=lambda: {True: PlainGuard(), False: PlainGuard()})
+    # The measured check against plain decoding, per sampling class (greedy: True) and
+    # load: {(greedy, load_bucket(requests)): PlainGuard}, made as loads are seen.
+    guards: dict = field(default_factory=dict)
+
+    def guard(self, greedy: bool, requests: int) -> PlainGuard:
+        """The check against plain decoding for this sampling class with ``requests``
+        requests generating at once."""
+        key = (greedy, load_bucket(requests))
+        if key not in self.guards:
+            near = [k for k in self.guards if k[0] == greedy]
+            prior = min(near, key=lambda k: abs(k[1] - key[1])) if near else None
+            self.guards[key] = PlainGuard(self.guards[prior] if prior else None)
+        return self.guards[key]
 
     # ---- observations ---------------------------------------------------------------
     def observe_draft(
@@ -350,6 +371,12 @@ class CostModel:
         return best
 
 
+def load_bucket(requests: int) -> int:
+    """Loads the check tells apart: 1, 2-3, 4-7, 8-15, 16-31, 32-63 and 64 or more
+    requests at once (bucket 1 to 7)."""
+    return min(max(1, requests), 64).bit_length()
+
+
 def _kind(gamma: int, overlap: bool) -> str:
     return "plain" if gamma == 0 else "overlapped" if overlap else "sequential"
 
@@ -366,6 +393,7 @@ class RequestPolicy:
     accepted: int = 0
     plain_steps: int = 0
     arm: str = "model"  # the PlainGuard arm of the last choice (adaptive requests)
+    guard: PlainGuard | None = None  # the check for this step's load (None: off)
 
     @property
     def alpha(self) -> float:
@@ -379,7 +407,7 @@ class RequestPolicy:
         if self.gamma is not None:
             g = min(self.gamma, limit)
             return g, self.overlap and g > 0
-        self.arm = self.model.guards[self.greedy].arm
+        self.arm = self.guard.arm if self.guard is not None else "model"
         if self.arm == "plain":
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False

@@ -511,22 +511,27 @@ class Generation:
         metrics.PROMPT_TOKENS.inc(len(self.spec.prompt))
         finish = "length"
         last = self.start
-        guard = None  # the measured check against plain decoding, for adaptive requests
-        if self.spec.gamma is None and self.o.adaptive_plain_check:
-            guard = self.orch.cost.guards[self.policy.greedy]
-        charged = None  # (arm, tokens, start) of the last step: charged when the next starts
+        # The measured check against plain decoding, for adaptive requests: each step
+        # is chosen under, and charged to, the guard of the load it starts at.
+        checked = self.spec.gamma is None and self.o.adaptive_plain_check
+        cost = self.orch.cost
+        charged = None  # (guard, arm, tokens, start) of the last step: charged when the next starts
         try:
             opened = time.perf_counter()
             await self.open()
-            if guard is not None:  # prefill waits behind the drafting of others: it counts
-                charged = (guard.arm, 0, opened)
+            if checked:  # prefill waits behind the drafting of others: it counts
+                guard = cost.guard(self.policy.greedy, self.orch.live)
+                charged = (guard, guard.arm, 0, opened)
             while self.pushed < self.spec.max_new_tokens:
                 began = time.perf_counter()
                 if charged is not None:
-                    guard.record(charged[0], self.sid, charged[1], began - charged[2])
+                    guard, arm, tokens, since = charged
+                    guard.record(arm, self.sid, tokens, began - since)
+                if checked:
+                    self.policy.guard = cost.guard(self.policy.greedy, self.orch.live)
                 new = await self.step()
-                if guard is not None:
-                    charged = (self.policy.arm, len(new), began)
+                if checked:
+                    charged = (self.policy.guard, self.policy.arm, len(new), began)
                 new = new[: self.spec.max_new_tokens - self.pushed]
                 hit = next((i for i, t in enumerate(new) if t in self.eos), None)
                 if hit is not None:
@@ -555,7 +560,8 @@ class Generation:
             self.stats.finish_reason = finish
             self.stats.total_s = time.perf_counter() - self.start
             if charged is not None:
-                guard.record(charged[0], self.sid, charged[1], time.perf_counter() - charged[2])
+                guard, arm, tokens, since = charged
+                guard.record(arm, self.sid, tokens, time.perf_counter() - since)
             self.stats.adaptive = self.spec.gamma is None
             if self.stats.steps:
                 self.stats.mean_gamma = self.stats.drafted / self.stats.steps

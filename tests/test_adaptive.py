@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.adaptive import CostModel, PlainGuard, RequestPolicy
+from orchestrator.adaptive import CostModel, PlainGuard, RequestPolicy, load_bucket
 from specdec.sampling import expected_tokens_per_step
 
 
@@ -134,13 +134,37 @@ def test_plain_decoding_that_measures_faster_leads_and_the_model_gets_trials():
     later = arms[4:]
     assert later.count("model") == len(later) // 6  # one trial epoch in six, not more
     cost = model()
-    cost.guards[True] = guard
+    cost.guards[True, load_bucket(4)] = guard
     policy = RequestPolicy(cost, gamma=None, overlap=True, greedy=True)
+    policy.guard = cost.guard(True, 5)  # 4-7 requests at once: the same load
+    assert policy.guard is guard
     if guard.arm == "plain":
         assert policy.choose(8, run=8) == (0, False) and policy.arm == "plain"
     # A request that set gamma is not part of the check, nor is the other class.
     assert RequestPolicy(cost, gamma=3, overlap=False, greedy=True).choose(8) == (3, False)
-    assert cost.guards[False].epochs == {"model": 0, "plain": 0}
+    assert cost.guard(False, 4).epochs == {"model": 0, "plain": 0}
+
+
+def test_each_load_has_its_own_check_and_a_new_load_starts_from_the_nearest():
+    """Plain decoding measured faster with 32 requests at once says nothing about one
+    request: the two loads keep their own rates and leaders. A load seen for the
+    first time starts from the nearest measured one, without a second warm-up."""
+    cost = model()
+    busy = cost.guard(False, 32)
+    _run_epochs(busy, {"model": 90.0, "plain": 100.0}, 40)
+    alone = cost.guard(False, 1)
+    assert alone is not busy and cost.guard(False, 40) is busy  # 32-63: one load
+    assert alone.leader == "plain" and alone.arm == "plain"  # from the nearest (32)
+    assert alone.epochs == busy.epochs  # warmed up already
+    _run_epochs(alone, {"model": 130.0, "plain": 100.0}, 30)
+    assert alone.leader == "model"
+    assert busy.leader == "plain" and abs(busy.rates["plain"].value - 100.0) < 1e-6
+    between = cost.guard(False, 12)  # 8-15: nearer to 32 (bucket 6) than to 1 (bucket 1)
+    assert between.leader == "plain"
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 63, 64, 500)] == [
+        1, 1, 2, 2, 3, 3, 4, 5, 6, 6, 7, 7,
+    ]  # fmt: skip
+    assert cost.guard(True, 32).epochs == {"model": 0, "plain": 0}  # greedy: its own
 
 
 def test_a_model_far_ahead_of_plain_is_rarely_checked_and_a_change_is_seen():
