@@ -393,7 +393,11 @@ def markdown(r: dict) -> str:
         )
     conc = r.get("concurrency")
     if conc:
-        lines += ["## Concurrent clients (T=1; aggregate tok/s, p50 request latency)", ""]
+        lines += [
+            "## Concurrent clients (T=1; aggregate tok/s, p50 request latency; "
+            "median of rounds that interleave the modes)",
+            "",
+        ]
         modes = list(next(iter(conc.values())))
         lines += _table(
             ["clients"] + [f"{m} tok/s" for m in modes] + [f"{m} p50 s" for m in modes],

@@ -435,18 +435,22 @@ def concurrency_section(stack, plan: Plan) -> dict:
         "seq4": {"temperature": 1.0, "gamma": 4, "overlap": False},
     }
     out = {}
+    names = list(modes)
     for n in plan.concurrency:
-        row: dict[str, dict] = {}
-        for mode, fields in modes.items():
-            agg, lat = [], []
-            for r in range(plan.concurrency_repeats):
+        agg: dict[str, list[float]] = {m: [] for m in names}
+        lat: dict[str, list[float]] = {m: [] for m in names}
+        for r in range(plan.concurrency_repeats):  # the modes interleaved, the order rotating
+            for mode in names[r % len(names) :] + names[: r % len(names)]:
                 tok_s, latencies = clients_round(
-                    address, n, fields, plan.prompts, plan.concurrency_requests,
+                    address, n, modes[mode], plan.prompts, plan.concurrency_requests,
                     plan.max_new_tokens, r,
                 )  # fmt: skip
-                agg.append(tok_s)
-                lat.append(median(latencies))
-            row[mode] = {"tok_s": median(agg), "p50_latency_s": median(lat), "runs": agg}
+                agg[mode].append(tok_s)
+                lat[mode].append(median(latencies))
+        row = {
+            m: {"tok_s": median(agg[m]), "p50_latency_s": median(lat[m]), "runs": agg[m]}
+            for m in names
+        }
         out[str(n)] = row
         log(
             f"  {n} clients: "
