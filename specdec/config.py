@@ -80,6 +80,10 @@ class ModelServiceConfig:
     # sessions share passes instead of alternating (0: never wait; a lone session
     # never waits). About one step's round trip.
     batch_wait_ms: float = 2.0
+    # The same for a session whose last job was a plain decoding step (the target's
+    # runs of plain tokens): it comes back after one round trip to the orchestrator
+    # and nothing else, which under load takes longer than batch_wait_ms.
+    decode_batch_wait_ms: float = 8.0
     tls: TlsConfig = field(default_factory=TlsConfig)
 
 
@@ -239,6 +243,7 @@ _NON_NEGATIVE = {
     "draft_retry_max_s",
     "target_retry_s",
     "batch_wait_ms",
+    "decode_batch_wait_ms",
 }
 
 

@@ -63,7 +63,11 @@ class ModelService:
         self._batch_tokens = metrics.BATCH_TOKENS.labels(role)
         self._queue_wait = metrics.QUEUE_WAIT.labels(role)
         self.loop = ForwardLoop(
-            self.runner, cfg.max_batch_tokens, self._observe_batch, cfg.batch_wait_ms / 1e3
+            self.runner,
+            cfg.max_batch_tokens,
+            self._observe_batch,
+            cfg.batch_wait_ms / 1e3,
+            {"decode": cfg.decode_batch_wait_ms / 1e3},
         )
         self.info = ModelInfo(
             model_id=cfg.model,

@@ -191,10 +191,17 @@ def test_sampling_follows_the_target_under_background_load(llama_stack, llama_pa
 
 
 # ---- keeping sessions in step (ForwardLoop.batch_wait_s) -------------------------------------
-def _sessions_per_pass(target: Path, batch_wait_s: float, sessions: int, rounds: int = 40):
-    """Sessions run one-feed jobs, each coming back 3 ms (a round trip) after its
-    last one finished, the second starting half a pass late; returns the mean
-    number of sessions per forward and the wall time."""
+def _sessions_per_pass(
+    target: Path,
+    batch_wait_s: float,
+    sessions: int,
+    rounds: int = 40,
+    kind: str = "step",
+    kind_wait_s: dict | None = None,
+):
+    """Sessions run one-feed jobs of ``kind``, each coming back 3 ms (a round trip)
+    after its last one finished, the second starting half a pass late; returns the
+    mean number of sessions per forward and the wall time."""
     import asyncio
     import time
 
@@ -211,12 +218,14 @@ def _sessions_per_pass(target: Path, batch_wait_s: float, sessions: int, rounds:
         kv = SessionKV()
         await asyncio.sleep(0.0005 * i)
         for _ in range(rounds):
-            await loop.run(job(kv))
+            await loop.run(job(kv), kind)
             await asyncio.sleep(0.003)
         loop.forget(kv)
 
     async def main() -> float:
-        loop = ForwardLoop(runner, 512, lambda b: seen.append(b.sessions), batch_wait_s)
+        loop = ForwardLoop(
+            runner, 512, lambda b: seen.append(b.sessions), batch_wait_s, kind_wait_s
+        )
         loop.start()
         start = time.perf_counter()
         await asyncio.gather(*(session(i, loop) for i in range(sessions)))
@@ -230,6 +239,16 @@ def _sessions_per_pass(target: Path, batch_wait_s: float, sessions: int, rounds:
 def test_concurrent_sessions_are_kept_in_step(llama_pair):
     together, _ = _sessions_per_pass(llama_pair[1], 0.010, sessions=2)
     assert together >= 1.7, together  # nearly every pass carries both sessions
+
+
+def test_a_kind_of_job_can_have_its_own_wait(llama_pair):
+    """Plain decoding steps ("decode") come back after a round trip only: the loop
+    may wait longer for them (decode_batch_wait_ms) than for others."""
+    waits = {"decode": 0.010}
+    kept, _ = _sessions_per_pass(llama_pair[1], 0.001, 2, kind="decode", kind_wait_s=waits)
+    apart, _ = _sessions_per_pass(llama_pair[1], 0.001, 2, kind="verify", kind_wait_s=waits)
+    assert kept >= 1.7, kept  # waited for: nearly every pass carries both
+    assert apart < kept - 0.3, (apart, kept)  # 1 ms is shorter than the 3 ms trip back
 
 
 def test_a_lone_session_never_waits_for_a_batch(llama_pair):

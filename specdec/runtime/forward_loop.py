@@ -23,6 +23,11 @@ would buy nothing. So the loop waits, at most ``batch_wait_s`` after they
 left, for the sessions that finished a job in the last forward and are
 still open; once they share a forward they come back together. A lone
 session never waits (its own next job is the one that arrives).
+``kind_wait_s`` gives some kinds of job their own wait: a session leaving a
+plain decoding step ("decode") comes back after one round trip to the caller
+and nothing else, so waiting longer for it costs little and keeps plain runs
+of concurrent requests in one pass; a session leaving a verify comes back only
+after the draft's work, which the loop should not sit through.
 
 Not for: what jobs compute (the draft and target services write them).
 """
@@ -74,14 +79,16 @@ class ForwardLoop:
         max_batch_tokens: int,
         on_batch: Callable[[BatchStats], None] | None = None,
         batch_wait_s: float = 0.0,
+        kind_wait_s: dict[str, float] | None = None,
     ) -> None:
         self.runner = runner
         self.max_batch_tokens = max_batch_tokens
         self.on_batch = on_batch
         self.batch_wait_s = batch_wait_s
+        self.kind_wait_s = kind_wait_s or {}
         self._waiting: list[_Pending] = []
         # Sessions (by id of their cache) whose job finished in a forward and that may
-        # come back with their next one: when it finished.
+        # come back with their next one: until when to wait for it.
         self._returning: dict[int, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -141,16 +148,14 @@ class ForwardLoop:
 
     async def _gather(self) -> None:
         """Wait for the sessions that left the last forwards to come back, at most
-        ``batch_wait_s`` after each left (see the module's docstring)."""
+        ``batch_wait_s`` after each left, or its kind's wait (see the module's docstring)."""
         while self._waiting:
             now = time.perf_counter()
-            self._returning = {
-                k: t for k, t in self._returning.items() if now - t < self.batch_wait_s
-            }
+            self._returning = {k: t for k, t in self._returning.items() if t > now}
             if not self._returning:
                 return
             self._wake.clear()
-            timeout = max(self._returning.values()) + self.batch_wait_s - now
+            timeout = max(self._returning.values()) - now
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
@@ -213,8 +218,9 @@ class ForwardLoop:
             try:
                 p.feed = p.job.send(out)
             except StopIteration as done:
-                if self.batch_wait_s > 0:
-                    self._returning[id(feed.kv)] = time.perf_counter()
+                wait = self.kind_wait_s.get(p.kind, self.batch_wait_s)
+                if wait > 0:
+                    self._returning[id(feed.kv)] = time.perf_counter() + wait
                 self._finish(p, result=done.value)
             except Exception as e:
                 self._finish(p, error=e)
