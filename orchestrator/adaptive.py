@@ -34,9 +34,10 @@ roll-back) shows up only in the steps' wall time. So for each kind of step
 step time to the time it predicted, and scales its prediction by it: a kind of
 step that is slower than modelled loses to the others.
 
-Estimates are exponentially weighted. A request's acceptance rate is shrunk
-toward the pool's. While plain decoding wins, a step drafts now and then anyway
-so that the estimates stay current.
+Estimates are exponentially weighted; the pool's acceptance rate starts from a
+prior that its first judged drafts only move. A request's acceptance rate is
+shrunk toward the pool's. While plain decoding wins, a step drafts one token
+once per 64 plain tokens of the pool anyway, so that the estimates stay current.
 
 **Checked against plain decoding, as measured** (``PlainGuard``). A model can
 be wrong in ways no calibration sees: one request's speculation slows every
@@ -59,7 +60,7 @@ from specdec.sampling import expected_tokens_per_step
 _SMOOTH = 0.1  # weight of a new observation
 _FORGET = 0.98  # per observation, in the line fits
 _PRIOR_TOKENS = 16.0  # judged drafts' worth of the pool's acceptance rate in a request's
-_EXPLORE_EVERY = 32  # plain steps between two drafting steps that refresh the estimates
+_EXPLORE_EVERY = 64  # plain tokens of the pool, then a step drafts anyway (fresh estimates)
 _PRIOR_SLOPE = 0.05  # a token costs this fraction of a pass's fixed cost until measured
 
 
@@ -79,10 +80,13 @@ class _Ratio:
     4 and a = 0.75 it gives 0.58, since a step that stops at its first draft
     counts as much as one that accepted all four.)"""
 
-    def __init__(self, value: float, smooth: float = _SMOOTH) -> None:
+    def __init__(self, value: float, smooth: float = _SMOOTH, prior: bool = False) -> None:
+        """``prior``: ``value`` is a prior that the first observations only move (an
+        acceptance rate must not fall to 0 because the first draft was rejected);
+        else the first observation replaces it."""
         self._num, self._den = value, 1.0
         self._smooth = smooth
-        self.seen = False
+        self.seen = prior
 
     @property
     def value(self) -> float:
@@ -128,8 +132,8 @@ class _Line:
 
 
 # The measured check against plain decoding (PlainGuard).
-_EPOCH_S = 0.5  # an epoch lasts this long of each of its requests' time,
-_EPOCH_STEPS = 6  # and at least this many steps per request
+_EPOCH_S = 0.5  # an epoch lasts this long of request time per request generating at once,
+_EPOCH_STEPS = 6  # and at least this many steps per request generating at once
 _WARMUP_EPOCHS = 2  # of each arm, alternating, before either leads
 _TRIAL_EVERY = 6  # the trailing arm runs one epoch in this many,
 _TRIAL_EVERY_FAR = 12  # or in this many while it trails by more than _FAR
@@ -159,7 +163,11 @@ class PlainGuard:
     The price of the check is its trial epochs: a sixth of the time in the
     slower arm while the two are close, a twelfth when it is more than 8% slower.
     Epochs count the requests' time, not the clock's: an idle pool or one serving
-    only fixed-gamma requests does not end them.
+    only fixed-gamma requests does not end them. An epoch needs ``_EPOCH_S`` of
+    request time and ``_EPOCH_STEPS`` steps per request generating at once (the
+    most seen in it): about half a second of the pool's time at any load, however
+    short its requests. (It once needed that much of every request it saw, which a
+    lone client's requests shorter than half a second never reached.)
     One guard per load (``CostModel.guard``): which arm is faster changes with the
     number of requests sharing the services, and a rate measured at one load says
     little about another. A load seen for the first time starts from the nearest
@@ -181,10 +189,11 @@ class PlainGuard:
         self._since_trial = 0
         self._seconds = 0.0  # charged to the current epoch
         self._steps = 0
-        self._requests: set[str] = set()
+        self._width = 0  # the most requests generating at once in the current epoch
 
-    def record(self, arm: str, request: str, tokens: int, seconds: float) -> None:
-        """A step chosen under ``arm`` emitted ``tokens`` in ``seconds`` of its request."""
+    def record(self, arm: str, tokens: int, seconds: float, concurrent: int = 1) -> None:
+        """A step chosen under ``arm`` emitted ``tokens`` in ``seconds`` of its request,
+        with ``concurrent`` requests generating at the time."""
         window = self._window[arm]
         window[0] += tokens
         window[1] += seconds
@@ -192,8 +201,7 @@ class PlainGuard:
             return
         self._steps += 1
         self._seconds += seconds
-        self._requests.add(request)
-        n = len(self._requests)
+        self._width = n = max(self._width, concurrent, 1)
         if self._seconds >= _EPOCH_S * n and self._steps >= _EPOCH_STEPS * n:
             self._close()
 
@@ -208,7 +216,7 @@ class PlainGuard:
         metrics.ARM_EPOCHS.labels(arm).inc()
         self.arm = self._next(arm)
         self._seconds, self._steps = 0.0, 0
-        self._requests.clear()
+        self._width = 0
 
     def _next(self, closed: str) -> str:
         if min(self.epochs.values()) < _WARMUP_EPOCHS:
@@ -232,7 +240,7 @@ class CostModel:
     """The pool-wide estimates (one per orchestrator)."""
 
     max_gamma: int = 16
-    alpha: _Ratio = field(default_factory=lambda: _Ratio(0.7))
+    alpha: _Ratio = field(default_factory=lambda: _Ratio(0.7, prior=True))
     # A forward pass's seconds as a line in the tokens it carries.
     target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
@@ -248,6 +256,8 @@ class CostModel:
     # seconds (their ratio calibrates step_cost).
     measured_s: dict = field(default_factory=dict)
     predicted_s: dict = field(default_factory=dict)
+    # Plain tokens the pool decoded since its last drafting step (see explore).
+    plain_tokens: int = 0
     # The measured check against plain decoding, per sampling class (greedy: True) and
     # load: {(greedy, load_bucket(requests)): PlainGuard}, made as loads are seen.
     guards: dict = field(default_factory=dict)
@@ -306,12 +316,25 @@ class CostModel:
         """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
         ``run`` tokens) took ``seconds``."""
         kind = _kind(gamma, overlap)
+        self.plain_tokens = self.plain_tokens + run if gamma == 0 else 0
         predicted = self.step_cost(gamma, alpha, overlap, calibrated=False, run=run)
         if kind not in self.measured_s:
             self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
         self.measured_s[kind].add(seconds)
         self.predicted_s[kind].add(predicted)
         metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
+
+    def explore(self) -> bool:
+        """Whether a step the model would decode plain should draft one token instead,
+        to keep alpha and the costs of drafting current: once the pool (every request,
+        and the check's plain epochs) has decoded ``_EXPLORE_EVERY`` plain tokens
+        since its last drafting step. Counted for the pool, not per request: with
+        plain runs a short request takes few steps, and estimates that no request
+        refreshes could keep every later one plain."""
+        if self.plain_tokens < _EXPLORE_EVERY:
+            return False
+        self.plain_tokens = 0
+        return True
 
     def calibration(self, kind: str) -> float:
         """Measured / predicted step time for this kind of step (1 until measured)."""
@@ -391,7 +414,6 @@ class RequestPolicy:
     greedy: bool = False  # its sampling class, for the check against plain decoding
     judged: int = 0  # drafts the target judged: accepted ones and first rejections
     accepted: int = 0
-    plain_steps: int = 0
     arm: str = "model"  # the PlainGuard arm of the last choice (adaptive requests)
     guard: PlainGuard | None = None  # the check for this step's load (None: off)
 
@@ -412,10 +434,8 @@ class RequestPolicy:
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False
         gamma, overlap = self.model.choose(self.alpha, limit, self.overlap, run)
-        if gamma == 0 and limit > 0:
-            self.plain_steps += 1
-            if self.plain_steps % _EXPLORE_EVERY == 0:
-                gamma = 1  # keep alpha and the draft's costs current
+        if gamma == 0 and limit > 0 and self.model.explore():
+            gamma = 1  # keep alpha and the draft's costs current
         metrics.CHOSEN_GAMMA.observe(gamma)
         return gamma, overlap
 

@@ -526,7 +526,7 @@ class Generation:
                 began = time.perf_counter()
                 if charged is not None:
                     guard, arm, tokens, since = charged
-                    guard.record(arm, self.sid, tokens, began - since)
+                    guard.record(arm, tokens, began - since, self.orch.live)
                 if checked:
                     self.policy.guard = cost.guard(self.policy.greedy, self.orch.live)
                 new = await self.step()
@@ -561,7 +561,7 @@ class Generation:
             self.stats.total_s = time.perf_counter() - self.start
             if charged is not None:
                 guard, arm, tokens, since = charged
-                guard.record(arm, self.sid, tokens, time.perf_counter() - since)
+                guard.record(arm, tokens, time.perf_counter() - since, self.orch.live)
             self.stats.adaptive = self.spec.gamma is None
             if self.stats.steps:
                 self.stats.mean_gamma = self.stats.drafted / self.stats.steps

@@ -120,8 +120,8 @@ def _run_epochs(guard: PlainGuard, rates: dict, epochs: int) -> list[str]:
         arm, done = guard.arm, guard.epochs[guard.arm]
         arms.append(arm)
         while guard.epochs[arm] == done:
-            for r in range(4):
-                guard.record(arm, f"r{r}", 4, 4 / rates[arm])
+            for _ in range(4):  # 4 requests at once, one step each
+                guard.record(arm, 4, 4 / rates[arm], concurrent=4)
     return arms
 
 
@@ -182,12 +182,45 @@ def test_a_model_far_ahead_of_plain_is_rarely_checked_and_a_change_is_seen():
 def test_an_epoch_is_its_requests_time_and_a_late_step_counts_for_its_own_arm():
     guard = PlainGuard()
     for _ in range(50):  # one request, 50 short steps: 0.05 s of its time, not an epoch
-        guard.record("model", "r0", 1, 0.001)
+        guard.record("model", 1, 0.001)
     assert guard.epochs["model"] == 0
     _run_epochs(guard, {"model": 100.0, "plain": 100.0}, 1)
     assert guard.arm == "plain"
-    guard.record("model", "late", 1000, 1.0)  # chosen under the model, done now
+    guard.record("model", 1000, 1.0)  # chosen under the model, done now
     assert guard.epochs["plain"] == 0 and guard._steps == 0
     _run_epochs(guard, {"model": 100.0, "plain": 100.0}, 2)
     assert guard.rates["model"].value > 150.0  # the late step is in the model's epoch
     assert abs(guard.rates["plain"].value - 100.0) < 1e-6
+
+
+def test_a_lone_clients_short_requests_still_end_epochs():
+    """Requests shorter than an epoch, one after the other: the epoch is half a
+    second of the pool's time, not half a second of each request it saw."""
+    guard = PlainGuard()
+    for _ in range(6):  # six requests of 0.1 s and 10 steps each
+        for _ in range(10):
+            guard.record("model", 2, 0.01, concurrent=1)
+    assert guard.epochs["model"] == 1 and guard.arm == "plain"
+
+
+def test_a_first_rejection_does_not_zero_the_pools_acceptance_rate():
+    """The pool's alpha starts from its prior: one rejected first draft must not
+    make every later request decode plain."""
+    m = model()
+    m.observe_acceptance(judged=1, accepted=0)
+    assert 0.6 < m.alpha.value < 0.7, m.alpha.value
+    assert RequestPolicy(m, gamma=None, overlap=False).choose(8, run=8)[0] > 0
+
+
+def test_a_plain_pool_of_short_requests_still_drafts_now_and_then():
+    """While the model prefers plain decoding, a step drafts once per 64 plain tokens
+    of the pool, even when every request is too short to take many steps itself."""
+    m = model(target_a=0.001, draft=0.05)  # drafting far too slow: the model goes plain
+    drafted = 0
+    for _ in range(16):  # 16 requests of 3 plain runs of 8 tokens: 384 plain tokens
+        policy = RequestPolicy(m, gamma=None, overlap=False)
+        for _ in range(3):
+            gamma, _ = policy.choose(8, run=8)
+            drafted += gamma > 0
+            m.observe_step(gamma, False, policy.alpha, 0.01, run=1 if gamma else 8)
+    assert 4 <= drafted <= 7, drafted  # about one in 64 plain tokens

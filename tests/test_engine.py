@@ -75,9 +75,10 @@ def test_adaptive_steps_are_charged_to_the_plain_check_and_stay_exact(llama_pair
             charged: list[tuple[str, int, float]] = []
             record = guard.record
 
-            def spy(arm: str, request: str, tokens: int, seconds: float) -> None:
+            def spy(arm: str, tokens: int, seconds: float, concurrent: int = 1) -> None:
                 charged.append((arm, tokens, seconds))
-                record(arm, request, tokens, seconds)
+                assert concurrent == 1  # one request at a time
+                record(arm, tokens, seconds, concurrent)
 
             guard.record = spy
             for arm in ("model", "plain"):
