@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.request import urlopen
 
@@ -38,6 +39,14 @@ PROMPTS = (
     "Catherine had never read a novel so delightful as",
     "The Miss Steeles were invited to spend the evening at the Park, and",
 )
+
+
+def rotated_rounds(names: list[str], repeats: int) -> Iterator[tuple[int, str]]:
+    """(round, name) for ``repeats`` rounds of every name, the order rotating each
+    round so that no configuration always goes first (or right after another)."""
+    for r in range(repeats):
+        for i in range(len(names)):
+            yield r, names[(i + r) % len(names)]
 
 
 def load_prompts(path: str | None) -> list[str]:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import torch
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    Client,
+    machine_info,
+    rotated_rounds,
+    start_services,
+)
 from .run import _run_prompts, clients_round, hf_generate
 
 MAX_NEW = 64
@@ -59,11 +67,10 @@ def interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
         fn(99)
     names = list(configs)
     rates: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(repeats):
-        for i in range(len(names)):
-            name = names[(i + r) % len(names)]
-            rates[name].append(configs[name](r))
-        print(f"round {r + 1}/{repeats} done", flush=True)
+    for r, name in rotated_rounds(names, repeats):
+        rates[name].append(configs[name](r))
+        if name == names[(r - 1) % len(names)]:  # the round's last
+            print(f"round {r + 1}/{repeats} done", flush=True)
     return rates
 
 

@@ -60,6 +60,7 @@ from .common import (
     info_rtt_ms,
     load_prompts,
     machine_info,
+    rotated_rounds,
     start_services,
 )
 
@@ -158,10 +159,8 @@ def measure(
     for name in names[:: max(1, len(names) // 4)]:  # warm every kind of call
         _run_prompts(via[name], prompts[:1], 8, configs[name], 0)
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(repeats):
-        for i in range(len(names)):
-            name = names[(i + r) % len(names)]
-            runs[name].append(_run_prompts(via[name], prompts, max_new_tokens, configs[name], r))
+    for r, name in rotated_rounds(names, repeats):
+        runs[name].append(_run_prompts(via[name], prompts, max_new_tokens, configs[name], r))
     return {name: summarize(runs[name], configs[name]) for name in names}
 
 
@@ -439,14 +438,13 @@ def concurrency_section(stack, plan: Plan) -> dict:
     for n in plan.concurrency:
         agg: dict[str, list[float]] = {m: [] for m in names}
         lat: dict[str, list[float]] = {m: [] for m in names}
-        for r in range(plan.concurrency_repeats):  # the modes interleaved, the order rotating
-            for mode in names[r % len(names) :] + names[: r % len(names)]:
-                tok_s, latencies = clients_round(
-                    address, n, modes[mode], plan.prompts, plan.concurrency_requests,
-                    plan.max_new_tokens, r,
-                )  # fmt: skip
-                agg[mode].append(tok_s)
-                lat[mode].append(median(latencies))
+        for r, mode in rotated_rounds(names, plan.concurrency_repeats):
+            tok_s, latencies = clients_round(
+                address, n, modes[mode], plan.prompts, plan.concurrency_requests,
+                plan.max_new_tokens, r,
+            )  # fmt: skip
+            agg[mode].append(tok_s)
+            lat[mode].append(median(latencies))
         row = {
             m: {"tok_s": median(agg[m]), "p50_latency_s": median(lat[m]), "runs": agg[m]}
             for m in names

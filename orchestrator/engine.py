@@ -516,6 +516,12 @@ class Generation:
         checked = self.spec.gamma is None and self.o.adaptive_plain_check
         cost = self.orch.cost
         charged = None  # (guard, arm, tokens, start) of the last step: charged when the next starts
+
+        def charge(until: float) -> None:
+            if charged is not None:
+                guard, arm, tokens, since = charged
+                guard.record(arm, tokens, until - since, self.orch.live)
+
         try:
             opened = time.perf_counter()
             await self.open()
@@ -524,9 +530,7 @@ class Generation:
                 charged = (guard, guard.arm, 0, opened)
             while self.pushed < self.spec.max_new_tokens:
                 began = time.perf_counter()
-                if charged is not None:
-                    guard, arm, tokens, since = charged
-                    guard.record(arm, tokens, began - since, self.orch.live)
+                charge(began)
                 if checked:
                     self.policy.guard = cost.guard(self.policy.greedy, self.orch.live)
                 new = await self.step()
@@ -559,9 +563,7 @@ class Generation:
                     break
             self.stats.finish_reason = finish
             self.stats.total_s = time.perf_counter() - self.start
-            if charged is not None:
-                guard, arm, tokens, since = charged
-                guard.record(arm, tokens, time.perf_counter() - since, self.orch.live)
+            charge(time.perf_counter())
             self.stats.adaptive = self.spec.gamma is None
             if self.stats.steps:
                 self.stats.mean_gamma = self.stats.drafted / self.stats.steps
