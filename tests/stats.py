@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import torch
 
+# Requests in flight at once while a statistical test samples through the services:
+# they share batched forward passes (so the tests also cover exactness under batching),
+# and 16 at once sample about 1.6x as fast as 4 on 2 cores.
+CONCURRENT = 16
+
 
 def tv(samples: list[int] | torch.Tensor, p: torch.Tensor) -> float:
     """Total variation between the empirical distribution of samples and p."""

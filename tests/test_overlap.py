@@ -26,7 +26,7 @@ from specdec.sampling import SamplingParams, probs_from_logits, residual_distrib
 
 from .conftest import WIRE_TOP_K
 from .inprocess import in_process
-from .stats import tv, tv_threshold
+from .stats import CONCURRENT, tv, tv_threshold
 
 # ---- exact: the pipelined step's output distribution ----------------------------------------
 
@@ -176,18 +176,21 @@ def _sample(stack, params: SamplingParams):
         ids, _, st = stack.generate_raw(**_fields(seed, params))
         return ids[0], ids[1], ids[2], st.overlapped_steps
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(CONCURRENT) as pool:
         return _columns(list(pool.map(one, range(N))))
 
 
 def _sample_in_process(pair, params: SamplingParams):
     async def scenario():
         async with in_process(*pair, wire_top_k=WIRE_TOP_K) as system:
-            rows = []
-            for seed in range(N):
-                ids, _, st = await system.generate(**_fields(seed, params))
-                rows.append((ids[0], ids[1], ids[2], st.overlapped_steps))
-            return rows
+            slots = asyncio.Semaphore(CONCURRENT)
+
+            async def one(seed):
+                async with slots:
+                    ids, _, st = await system.generate(**_fields(seed, params))
+                return ids[0], ids[1], ids[2], st.overlapped_steps
+
+            return await asyncio.gather(*(one(seed) for seed in range(N)))
 
     return _columns(asyncio.run(scenario()))
 

@@ -22,7 +22,7 @@ from specdec.sampling import SamplingParams, probs_from_logits
 from target_service.verifier import Feed, Verifier
 
 from .inprocess import in_process
-from .stats import tv, tv_threshold
+from .stats import CONCURRENT, tv, tv_threshold
 from .test_engine import _reference
 
 N = 1500
@@ -130,7 +130,7 @@ def test_sampled_runs_follow_target_distribution(llama_stack, llama_pair):
         ids, _, stats = llama_stack.generate_raw(**_fields(seed))
         return _row(ids, stats, eos)
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(CONCURRENT) as pool:
         rows = list(pool.map(one, range(N)))
     for name, (dist, threshold) in check(rows, llama_pair[1]).items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
@@ -156,11 +156,14 @@ def test_a_run_that_feeds_the_wrong_token_fails_the_same_test(llama_pair, monkey
 
     async def scenario():
         async with in_process(*llama_pair) as system:
-            rows = []
-            for seed in range(N):
-                ids, _, stats = await system.generate(**_fields(seed))
-                rows.append(_row(ids, stats, eos))
-            return rows
+            slots = asyncio.Semaphore(CONCURRENT)
+
+            async def one(seed):
+                async with slots:
+                    ids, _, stats = await system.generate(**_fields(seed))
+                return _row(ids, stats, eos)
+
+            return await asyncio.gather(*(one(seed) for seed in range(N)))
 
     results = check(asyncio.run(scenario()), llama_pair[1])
     failed = [k for k, (d, t) in results.items() if d >= t]

@@ -23,7 +23,7 @@ from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits,
 
 from .conftest import WIRE_TOP_K
 from .stack import local_stack, planted_env
-from .stats import tv, tv_threshold
+from .stats import CONCURRENT, tv, tv_threshold
 
 N = 1500
 PROMPT = [3, 7, 1, 4, 0, 12]  # token ids; fixed
@@ -72,7 +72,7 @@ def sample(stack, params: SamplingParams):
         n = 2 if st.steps == 1 else (1 if st.drafted_tokens == 2 else 0)
         return ids[0], ids[1], n
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(CONCURRENT) as pool:
         rows = list(pool.map(one, range(N)))
     return [torch.tensor(col) for col in zip(*rows, strict=True)]
 

@@ -83,8 +83,17 @@ def wait_healthy(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
+    # A service still starting refuses the connection, and gRPC then waits its
+    # reconnect backoff (1 s, then 1.6x) before trying again: poll every 0.1 s instead.
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 100),
+    ]
     channel = (
-        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        grpc.secure_channel(address, credentials, options)
+        if credentials
+        else grpc.insecure_channel(address, options)
     )
     with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
