@@ -43,11 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rtts", type=float, nargs="*", default=[2.0, 5.0])
     ap.add_argument("--clients", type=int, nargs="*", default=[8, 16, 32])
+    ap.add_argument(
+        "--check-min-requests",
+        type=int,
+        default=1,
+        help="the check's adaptive_plain_check_min_requests (1: at any load)",
+    )
     ap.add_argument("--out", default=f"results/plain-check-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
+    info["check_min_requests"] = args.check_min_requests
     stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
     proxies = ProxyGroup()
     rates: dict[str, list[float]] = {}
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         def sets(check: bool) -> dict:
             return {
                 "orchestrator.adaptive_plain_check": check,
+                "orchestrator.adaptive_plain_check_min_requests": args.check_min_requests,
                 "orchestrator.max_concurrent_requests": 32,
             }
 
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "The measured check against plain decoding, side by side",
         info,
         f"{args.repeats} interleaved rounds after a warm-up run; medians. Adaptive requests "
-        f"(gamma unset) with the check on and off; plain = gamma 0.",
+        f"(gamma unset) with the check on (from {args.check_min_requests} requests at once) "
+        f"and off; plain = gamma 0.",
     ) + [
         "| | check tok/s | no check | plain | check / plain | no check / plain | "
         "check / no check |",

@@ -46,7 +46,8 @@ target's loss. So the adaptive requests of the pool run in epochs: mostly under
 the model's choices, and now and then under plain decoding forced, each epoch
 measuring what the requests got (tokens per second of request time). When plain
 decoding measures faster, it leads, and the model's choices get the trial
-epochs instead.
+epochs instead. It runs only from ``check_min_requests`` requests at once (16 by
+default): at lower loads its trials and noise cost more than it finds.
 Not for: running steps (``orchestrator.engine``).
 """
 
@@ -261,10 +262,15 @@ class CostModel:
     # The measured check against plain decoding, per sampling class (greedy: True) and
     # load: {(greedy, load_bucket(requests)): PlainGuard}, made as loads are seen.
     guards: dict = field(default_factory=dict)
+    # The check runs only while at least this many requests generate at once.
+    check_min_requests: int = 1
 
-    def guard(self, greedy: bool, requests: int) -> PlainGuard:
+    def guard(self, greedy: bool, requests: int) -> PlainGuard | None:
         """The check against plain decoding for this sampling class with ``requests``
-        requests generating at once."""
+        requests generating at once (None below ``check_min_requests``: the model
+        decides alone)."""
+        if requests < self.check_min_requests:
+            return None
         key = (greedy, load_bucket(requests))
         if key not in self.guards:
             near = [k for k in self.guards if k[0] == greedy]

@@ -101,7 +101,9 @@ class Orchestrator:
         self.draft_pool = draft_pool
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
-        self.cost = CostModel(max_gamma=o.max_gamma)
+        self.cost = CostModel(
+            max_gamma=o.max_gamma, check_min_requests=o.adaptive_plain_check_min_requests
+        )
         self.monitor = ExactnessMonitor(o.monitor_fraction, o.monitor_window)
         for stage in ("propose", "verify", "rollback", "orchestrator"):
             metrics.STAGE_DURATION.labels(stage)
@@ -525,8 +527,8 @@ class Generation:
         try:
             opened = time.perf_counter()
             await self.open()
-            if checked:  # prefill waits behind the drafting of others: it counts
-                guard = cost.guard(self.policy.greedy, self.orch.live)
+            guard = cost.guard(self.policy.greedy, self.orch.live) if checked else None
+            if guard is not None:  # prefill waits behind the drafting of others: it counts
                 charged = (guard, guard.arm, 0, opened)
             while self.pushed < self.spec.max_new_tokens:
                 began = time.perf_counter()
@@ -534,8 +536,8 @@ class Generation:
                 if checked:
                     self.policy.guard = cost.guard(self.policy.greedy, self.orch.live)
                 new = await self.step()
-                if checked:
-                    charged = (self.policy.guard, self.policy.arm, len(new), began)
+                guard = self.policy.guard
+                charged = (guard, self.policy.arm, len(new), began) if guard is not None else None
                 new = new[: self.spec.max_new_tokens - self.pushed]
                 hit = next((i for i, t in enumerate(new) if t in self.eos), None)
                 if hit is not None:

@@ -112,9 +112,12 @@ class OrchestratorConfig:
     overlap: bool = True
     # Check the cost model's choices against plain decoding by measurement: the
     # adaptive requests decode plain in trial epochs, and plain decoding leads
-    # whenever it measures faster (orchestrator/adaptive.py, PlainGuard). For
-    # sustained heavy load; off by default (docs/benchmarks.md says why).
-    adaptive_plain_check: bool = False
+    # whenever it measures faster (orchestrator/adaptive.py, PlainGuard) ...
+    adaptive_plain_check: bool = True
+    # ... while at least this many requests generate at once (1: at any load). Below
+    # it the cost model decides alone: there the check's trials and noise cost more
+    # than it finds (docs/benchmarks.md, "The measured check against plain decoding").
+    adaptive_plain_check_min_requests: int = 16
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so
@@ -216,6 +219,7 @@ _POSITIVE = {
     "max_sessions",
     "max_context",
     "max_gamma",
+    "adaptive_plain_check_min_requests",
     "plain_run_tokens",
     "max_new_tokens",
     "max_prompt_tokens",

@@ -167,6 +167,25 @@ def test_each_load_has_its_own_check_and_a_new_load_starts_from_the_nearest():
     assert cost.guard(True, 32).epochs == {"model": 0, "plain": 0}  # greedy: its own
 
 
+def test_below_its_minimum_load_the_check_leaves_the_choice_to_the_model():
+    """With check_min_requests 8, fewer requests at once get no guard (the model
+    alone chooses, nothing is charged) and 8 or more get the guard of their load."""
+    cost = model()
+    cost.check_min_requests = 8
+    assert cost.guard(False, 1) is None and cost.guard(True, 7) is None
+    busy = cost.guard(False, 8)
+    assert busy is not None and cost.guard(False, 15) is busy
+    _run_epochs(busy, {"model": 90.0, "plain": 100.0}, 40)
+    assert busy.leader == "plain"
+    policy = RequestPolicy(cost, None, overlap=False)
+    cost.alpha.value = 0.9
+    policy.guard = cost.guard(False, 4)  # what the engine sets at 4 requests: none
+    assert policy.choose(8)[0] > 0 and policy.arm == "model"
+    policy.guard = cost.guard(False, 9)
+    assert (policy.choose(8) == (0, False)) == (busy.arm == "plain")
+    assert policy.arm == busy.arm
+
+
 def test_a_model_far_ahead_of_plain_is_rarely_checked_and_a_change_is_seen():
     guard = PlainGuard()
     arms = _run_epochs(guard, {"model": 130.0, "plain": 100.0}, 64)

@@ -70,7 +70,9 @@ def test_adaptive_steps_are_charged_to_the_plain_check_and_stay_exact(llama_pair
     want = _reference(target, ids, 24)
 
     async def scenario():
-        async with in_process(draft, target, adaptive_plain_check=True) as system:
+        async with in_process(
+            draft, target, adaptive_plain_check=True, adaptive_plain_check_min_requests=1
+        ) as system:
             guard = system.orch.cost.guard(True, 1)  # one request at a time
             charged: list[tuple[str, int, float]] = []
             record = guard.record
