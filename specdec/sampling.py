@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -152,22 +152,32 @@ class SparseQ:
         return u + int(np.searchsorted(listed - np.arange(len(listed)), u, side="right"))
 
 
-def _entries(qs: list[SparseQ]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every listed entry of q_1..q_gamma at once: its position, id and probability
+class QEntries(NamedTuple):
+    """q_1..q_gamma as flat arrays: every listed entry's position, id and probability
     (float64, exact: counts over a power of two), and each position's tail share."""
+
+    row: np.ndarray  # [total]
+    ids: np.ndarray  # [total]
+    listed: np.ndarray  # [total]
+    share: np.ndarray  # [gamma] q of each unlisted token
+
+
+def q_entries(qs: list[SparseQ]) -> QEntries:
     sizes = [len(q.ids) for q in qs]
-    row = np.repeat(np.arange(len(qs)), sizes)  # [total]
-    ids = np.concatenate([q.ids for q in qs])  # [total]
-    listed = np.concatenate([q.counts / q.scale for q in qs])  # [total]
-    share = np.array([q.tail_share for q in qs])  # [gamma] q of each unlisted token
-    return row, ids, listed, share
+    return QEntries(
+        row=np.repeat(np.arange(len(qs)), sizes),
+        ids=np.concatenate([q.ids for q in qs]),
+        listed=np.concatenate([q.counts / q.scale for q in qs]),
+        share=np.array([q.tail_share for q in qs]),
+    )
 
 
-def drafted_probs(qs: list[SparseQ], tokens) -> list[float]:
-    """q_i(x_i) for each drafted token, exactly as ``SparseQ.prob`` gives it. [gamma]"""
+def drafted_probs(qs: list[SparseQ], tokens, entries: QEntries | None = None) -> list[float]:
+    """q_i(x_i) for each drafted token, exactly as ``SparseQ.prob`` gives it. [gamma]
+    ``entries``: ``qs`` flattened already (``q_entries``), to reuse."""
     if not qs:
         return []
-    row, ids, listed, share = _entries(qs)
+    row, ids, listed, share = entries if entries is not None else q_entries(qs)
     hit = ids == np.asarray(tokens, dtype=np.int64)[row]  # [total] the drafted token's entry
     out = share.copy()
     out[row[hit]] = listed[hit]
@@ -177,7 +187,7 @@ def drafted_probs(qs: list[SparseQ], tokens) -> list[float]:
 def dense_qs(qs: list[SparseQ], device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """q_1..q_gamma over the whole vocabulary in one scatter: [gamma, vocab]. Each
     row equals ``SparseQ.dense`` (counts over 2^bits round once to ``dtype``)."""
-    row, ids, listed, share = _entries(qs)
+    row, ids, listed, share = q_entries(qs)
     out = torch.tensor(share, dtype=dtype, device=device)[:, None].repeat(1, qs[0].vocab)
     out[torch.from_numpy(row).to(device), torch.from_numpy(ids).to(device)] = torch.from_numpy(
         listed
@@ -283,13 +293,23 @@ def quantize(
 # ---- the target's half of a step ----------------------------------------------------------
 
 
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) row by row. p, q: [..., vocab] -> [..., vocab].
+def residual_distribution(p: torch.Tensor, q: torch.Tensor | QEntries) -> torch.Tensor:
+    """norm(max(0, p - q)) row by row. p: [..., vocab] -> [..., vocab]; q: the same
+    shape, or the sparse q_1..q_gamma of p's rows as ``QEntries`` (never made dense:
+    every token is first taken as unlisted, then the listed ones are set; the same
+    float operations on the same values as with ``dense_qs``).
 
     NOTE: a row with no residual mass (q >= p everywhere, so q == p) can never
     be rejected; it gets p so that sampling it stays well defined.
     """
-    r = (p - q).clamp_min(0)
+    if isinstance(q, torch.Tensor):
+        r = (p - q).clamp_min(0)
+    else:
+        flat = torch.from_numpy(q.row * p.shape[-1] + q.ids).to(p.device)  # [total]
+        share = torch.from_numpy(q.share).to(device=p.device, dtype=p.dtype)  # [gamma]
+        listed = torch.from_numpy(q.listed).to(device=p.device, dtype=p.dtype)  # [total]
+        r = (p - share[:, None]).clamp_min(0)  # [gamma, vocab]
+        r.view(-1).index_copy_(0, flat, (p.reshape(-1).take(flat) - listed).clamp_min(0))
     mass = r.sum(dim=-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
@@ -363,7 +383,8 @@ def verify_draft(
     gamma = len(draft_tokens)
     if len(qs) != gamma:
         raise ValueError(f"{gamma} drafted tokens but {len(qs)} distributions")
-    q_draft = drafted_probs(qs, draft_tokens)  # [gamma]
+    entries = q_entries(qs) if gamma else None
+    q_draft = drafted_probs(qs, draft_tokens, entries)  # [gamma]
     if params.greedy:
         # p one-hot at a: p_i(x_i) = [x_i == a_i], residual = a_i (see residual_distribution).
         argmax = logits.argmax(dim=-1).tolist()  # [gamma + 1]
@@ -379,8 +400,7 @@ def verify_draft(
     p_draft = p[:gamma].gather(-1, drafts[:, None]).squeeze(-1)  # [gamma]
     rows = p
     if gamma:
-        q = dense_qs(qs, p.device, p.dtype)  # [gamma, vocab]
-        rows = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
+        rows = torch.cat([residual_distribution(p[:gamma], entries), p[gamma:]])
     drawn = inverse_cdf(rows, u).tolist()  # [gamma + 1]
     verdict = Verdict(
         p_draft=p_draft.tolist(),

@@ -17,7 +17,9 @@ from specdec.sampling import (
     SparseQ,
     dense_qs,
     drafted_probs,
+    q_entries,
     quantize,
+    residual_distribution,
     sparse_q,
 )
 from specdec.wire import pack_q, unpack_q
@@ -72,6 +74,12 @@ def test_a_steps_qs_at_once_equal_each_q(data):
     for dtype in (torch.float64, torch.float32):
         expected = torch.stack([q.dense(dtype=dtype) for q in qs])
         assert torch.equal(dense_qs(qs, dtype=dtype), expected)
+        # The residual from the sparse entries, never made dense, is the dense one's.
+        p = torch.rand(len(qs), vocab, dtype=dtype).pow(8)
+        p /= p.sum(-1, keepdim=True)
+        assert torch.equal(
+            residual_distribution(p, q_entries(qs)), residual_distribution(p, expected)
+        )
 
 
 def test_large_vocabulary_proposal_is_exact_and_compact():
