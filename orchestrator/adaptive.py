@@ -4,16 +4,17 @@ model fed with what the orchestrator measures.
 A step drafting g tokens emits on average E(a, g) = (1 - a^(g+1)) / (1 - a)
 tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 
-* sequential: R_d + g d + R_t + V(g)
+* sequential: R_d + D(g) + R_t + V(g)
 * overlapped (the draft drafts the next block while the target verifies this
   one, as if every draft will be accepted; that block is used with
-  probability a^g): R_t + V(g) + (1 - a^g)(R_d + g d) + a^g max(0, R_d + g d - R_t - V(g))
+  probability a^g): R_t + V(g) + (1 - a^g)(R_d + D(g)) + a^g max(0, R_d + D(g) - R_t - V(g))
 * plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
   request's start) costs R_t + k V(0) and emits k tokens,
 
 where R_d, R_t are the round trips to each service beyond its compute
-(network, gRPC), d the draft's time per drafted token and V(g) the target's
-time to verify g drafts. Nobody configures any of these: every reply carries
+(network, gRPC), D(g) = D_0 + g d the draft's time to draft g tokens (a part
+per call and one per drafted token) and V(g) the target's time to verify g
+drafts. Nobody configures any of these: every reply carries
 the service's compute time, its forward pass's time and the tokens that pass
 carried for all sessions together; the orchestrator times the call.
 
@@ -247,7 +248,10 @@ class CostModel:
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
     # Service time beyond the forward passes (sampling, packing, queueing).
     target_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0002))
-    draft_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0001))  # per drafted token
+    # A propose call's time beyond its forward passes (its own work, sampling, the
+    # forward loop's turns), as a line in gamma: a part per call and a part per drafted
+    # token. (Averaged per token, the part per call would be charged gamma times.)
+    draft_extra: _Line = field(default_factory=lambda: _Line(0.0002, 0.0001))
     rtt_draft_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
     rtt_target_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
     # Sessions sharing a pass (1: alone).
@@ -287,9 +291,10 @@ class CostModel:
         if forward_s > 0 and batch_tokens > 0:
             self.draft_pass.add(batch_tokens, forward_s / gamma)
             self.draft_sessions.add(max(1.0, batch_tokens))
-        self.draft_extra_s.add(max(0.0, compute_s - forward_s) / gamma)
+        self.draft_extra.add(gamma, max(0.0, compute_s - forward_s))
         self.rtt_draft_s.add(max(0.0, wall_s - compute_s))
         metrics.ESTIMATE.labels("draft_token_seconds").set(self.draft_token_s())
+        metrics.ESTIMATE.labels("draft_call_seconds").set(self.draft_extra.a)
         metrics.ESTIMATE.labels("rtt_draft_seconds").set(self.rtt_draft_s.value)
 
     def observe_verify(
@@ -356,8 +361,13 @@ class CostModel:
 
     # ---- the model ----------------------------------------------------------------------
     def draft_token_s(self) -> float:
-        """d: seconds per drafted token, with the draft's passes as shared as now."""
-        return self.draft_pass(self.draft_sessions.value) + self.draft_extra_s.value
+        """d: seconds each drafted token adds to a propose call, with the draft's
+        passes as shared as now."""
+        return self.draft_pass(self.draft_sessions.value) + self.draft_extra.b
+
+    def draft_cost(self, gamma: int) -> float:
+        """The draft service's seconds for a propose call of ``gamma`` tokens."""
+        return self.draft_extra.a + gamma * self.draft_token_s()
 
     def verify_cost(self, gamma: int) -> float:
         """V(gamma): a pass in which every session sharing it verifies gamma drafts."""
@@ -374,7 +384,7 @@ class CostModel:
         if gamma == 0:
             return scale * (self.rtt_target_s.value + run * self.verify_cost(0))
         verify = self.rtt_target_s.value + self.verify_cost(gamma)
-        draft = self.rtt_draft_s.value + gamma * self.draft_token_s()
+        draft = self.rtt_draft_s.value + self.draft_cost(gamma)
         if not overlap:
             return scale * (draft + verify)
         chained = alpha**gamma

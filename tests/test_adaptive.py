@@ -10,7 +10,7 @@ def model(target_a=0.010, target_b=0.0006, draft=0.001, rtt=0.0005, sessions=1.0
     m = CostModel(max_gamma=16)
     m.target_pass.a, m.target_pass.b = target_a, target_b
     m.draft_pass.a, m.draft_pass.b = draft, 0.0
-    m.draft_extra_s.value = m.target_extra_s.value = 0.0
+    m.draft_extra.a = m.draft_extra.b = m.target_extra_s.value = 0.0
     m.rtt_draft_s.value = m.rtt_target_s.value = rtt
     m.target_sessions.value = sessions
     return m
@@ -165,6 +165,25 @@ def test_each_load_has_its_own_check_and_a_new_load_starts_from_the_nearest():
         1, 1, 2, 2, 3, 3, 4, 5, 6, 6, 7, 7,
     ]  # fmt: skip
     assert cost.guard(True, 32).epochs == {"model": 0, "plain": 0}  # greedy: its own
+
+
+def test_a_drafts_cost_per_call_is_not_charged_per_token():
+    """A propose call that spends 3 ms beyond its forwards whatever its gamma (the
+    call's own work) makes longer drafts cheaper per token. Fitted as a line in gamma,
+    it is charged once: the draft's time at gamma 6, learned from calls of 2 and 4
+    tokens, is 3 ms plus six tokens' passes (an average per token would charge the 3 ms
+    about twice), and the longer drafts that this makes worth it are chosen."""
+    m = model()
+    for i in range(80):
+        g = 2 + 2 * (i % 2)
+        forward = g * 0.001
+        m.observe_draft(g, forward + 0.0035, forward + 0.003, forward, batch_tokens=1.0)
+    assert abs(m.draft_cost(6) - (0.003 + 6 * m.draft_pass(1.0))) < 2e-4
+    assert abs(m.draft_token_s() - m.draft_pass(1.0)) < 1e-4
+    per_token = model()  # the same times, charged per drafted token
+    per_token.draft_pass = m.draft_pass
+    per_token.draft_extra.b = 0.003 / 3
+    assert m.choose(0.8, 16, False)[0] > per_token.choose(0.8, 16, False)[0]
 
 
 def test_below_its_minimum_load_the_check_leaves_the_choice_to_the_model():
