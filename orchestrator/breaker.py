@@ -20,10 +20,13 @@ class CircuitBreaker:
         """True while closed, or when the back-off has passed (a trial call)."""
         return (time.monotonic() if now is None else now) >= self.open_until
 
-    def success(self) -> None:
-        if self.failures:
-            self.failures = 0
-            self.open_until = 0.0
+    def success(self) -> bool:
+        """A call succeeded; True if that closed the breaker (the replica is back)."""
+        if not self.failures:
+            return False
+        self.failures = 0
+        self.open_until = 0.0
+        return True
 
     def failure(self, now: float | None = None) -> None:
         """A call failed. While the breaker is already open the outage is already

@@ -330,7 +330,13 @@ class Generation:
         if spec.max_gamma > 0 and spec.max_new_tokens > 1:
             wire_k = 0 if spec.dense else o.wire_top_k
             shape = WireShape(wire_k, 0.0 if spec.dense else o.wire_eps, 30 if spec.dense else 16)
-            self.draft = DraftLink(orch.draft_pool, *common, shape=shape, on_fallback=self.fallback)
+            self.draft = DraftLink(
+                orch.draft_pool,
+                *common,
+                shape=shape,
+                on_fallback=self.fallback,
+                on_recovered=orch.update_speculation_gauge,
+            )
 
     # ---- bookkeeping -----------------------------------------------------------------
     def count(self, peer: str, sent: int, received: int) -> None:

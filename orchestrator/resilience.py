@@ -114,10 +114,18 @@ class _Link:
 class DraftLink(_Link):
     role = "draft"
 
-    def __init__(self, *args, shape: WireShape, on_fallback: Callable[[str], None], **kw) -> None:
+    def __init__(
+        self,
+        *args,
+        shape: WireShape,
+        on_fallback: Callable[[str], None],
+        on_recovered: Callable[[], None] = lambda: None,
+        **kw,
+    ) -> None:
         super().__init__(*args, **kw)
         self.shape = shape
         self.on_fallback = on_fallback
+        self.on_recovered = on_recovered  # the replica's breaker closed again
 
     async def _open(self) -> None:
         self.cursor = Cursor.fresh(self.history)
@@ -161,7 +169,7 @@ class DraftLink(_Link):
                     return None
                 self._failed(e, fallback=False)
                 return None
-            self.replica.breaker.success()
+            self._succeeded()
             return proposal
         if self.session is None:
             replica = self.replica if self.replica and self.replica.usable() else self.pool.pick()
@@ -177,7 +185,7 @@ class DraftLink(_Link):
                 proposal = await self.session.propose(
                     self.cursor, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
                 )
-                self.replica.breaker.success()
+                self._succeeded()
                 return proposal
             except SpecdecError as e:
                 if self.budget.passed():
@@ -191,6 +199,10 @@ class DraftLink(_Link):
                 self._failed(e)
                 return None
         return None
+
+    def _succeeded(self) -> None:
+        if self.replica.breaker.success():
+            self.on_recovered()
 
     def _failed(self, e: SpecdecError, fallback: bool = True) -> None:
         """Give up on the pinned replica for now: breaker, close, fall back."""
