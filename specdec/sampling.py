@@ -184,17 +184,6 @@ def drafted_probs(qs: list[SparseQ], tokens, entries: QEntries | None = None) ->
     return out.tolist()
 
 
-def dense_qs(qs: list[SparseQ], device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """q_1..q_gamma over the whole vocabulary in one scatter: [gamma, vocab]. Each
-    row equals ``SparseQ.dense`` (counts over 2^bits round once to ``dtype``)."""
-    row, ids, listed, share = q_entries(qs)
-    out = torch.tensor(share, dtype=dtype, device=device)[:, None].repeat(1, qs[0].vocab)
-    out[torch.from_numpy(row).to(device), torch.from_numpy(ids).to(device)] = torch.from_numpy(
-        listed
-    ).to(device=device, dtype=dtype)
-    return out
-
-
 def sparse_q(
     logits: torch.Tensor, params: SamplingParams, max_entries: int, eps: float, bits: int = 16
 ) -> SparseQ:
@@ -297,7 +286,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | QEntries) -> torch.
     """norm(max(0, p - q)) row by row. p: [..., vocab] -> [..., vocab]; q: the same
     shape, or the sparse q_1..q_gamma of p's rows as ``QEntries`` (never made dense:
     every token is first taken as unlisted, then the listed ones are set; the same
-    float operations on the same values as with ``dense_qs``).
+    float operations on the same values as with q dense, ``SparseQ.dense``).
 
     NOTE: a row with no residual mass (q >= p everywhere, so q == p) can never
     be rejected; it gets p so that sampling it stays well defined.

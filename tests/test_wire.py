@@ -15,7 +15,6 @@ from specdec.rng import generator
 from specdec.sampling import (
     SamplingParams,
     SparseQ,
-    dense_qs,
     drafted_probs,
     q_entries,
     quantize,
@@ -59,8 +58,9 @@ def test_pack_unpack_round_trip(data):
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.data())
 def test_a_steps_qs_at_once_equal_each_q(data):
-    """The target's vectorized forms (one scatter for every row, one lookup for every
-    drafted token) give exactly what each SparseQ gives, listed token or tail."""
+    """The target's vectorized forms (one lookup for every drafted token, the residual
+    from every row's entries at once) give exactly what each SparseQ gives, listed
+    token or tail."""
     vocab = data.draw(st.sampled_from([73, 4096, QWEN_VOCAB]))
     bits = data.draw(st.sampled_from([8, 16, 30]))
     qs = [data.draw(sparse_qs(vocab, bits)) for _ in range(data.draw(st.integers(1, 5)))]
@@ -73,7 +73,6 @@ def test_a_steps_qs_at_once_equal_each_q(data):
     assert drafted_probs(qs, drafts) == [q.prob(x) for q, x in zip(qs, drafts, strict=True)]
     for dtype in (torch.float64, torch.float32):
         expected = torch.stack([q.dense(dtype=dtype) for q in qs])
-        assert torch.equal(dense_qs(qs, dtype=dtype), expected)
         # The residual from the sparse entries, never made dense, is the dense one's.
         p = torch.rand(len(qs), vocab, dtype=dtype).pow(8)
         p /= p.sum(-1, keepdim=True)
