@@ -439,6 +439,11 @@ class RequestPolicy:
         prior = self.model.alpha.value
         return (self.accepted + _PRIOR_TOKENS * prior) / (self.judged + _PRIOR_TOKENS)
 
+    def plain_now(self) -> bool:
+        """Whether the next step is plain whatever the model says: an adaptive request
+        in a plain epoch of the check."""
+        return self.gamma is None and self.guard is not None and self.guard.arm == "plain"
+
     def choose(self, limit: int, run: int = 1) -> tuple[int, bool]:
         """gamma (<= limit) and whether to draft ahead, for the next step; a plain
         step would be a run of ``run`` tokens."""

@@ -356,8 +356,12 @@ class Generation:
 
     # ---- the loop --------------------------------------------------------------------
     async def open(self) -> None:
-        """Prefill both caches concurrently (the draft only when speculating)."""
-        if self.draft is None:
+        """Prefill both caches concurrently; the draft only when the first step may
+        draft. A request that starts plain (an adaptive one in a plain epoch of the
+        check) opens its draft on its first drafting step, if any: under the load
+        where plain decoding leads, its draft prefill would only take cores from the
+        others' decoding."""
+        if self.draft is None or self.policy.plain_now():
             return await self.target.open()
         target = asyncio.ensure_future(self.target.open())
         try:
@@ -384,6 +388,9 @@ class Generation:
         if proposal is None:
             gamma, overlap = self.policy.choose(remaining - 1, plain_run)
             if gamma and self.draft is not None:
+                if not self.draft.prefilled:  # started plain: open the draft now
+                    await self.draft.prefill()
+                    t0 = time.perf_counter()  # a one-off, not this step's cost
                 proposal = await self.draft.propose(gamma, draft_seed)
         else:  # drafted during the last verify; keep drafting ahead if it pays
             overlap = self.policy.choose(remaining - 1)[1]
@@ -532,10 +539,12 @@ class Generation:
 
         try:
             opened = time.perf_counter()
-            await self.open()
             guard = cost.guard(self.policy.greedy, self.orch.live) if checked else None
+            self.policy.guard = guard
+            arm = guard.arm if guard is not None else None
+            await self.open()
             if guard is not None:  # prefill waits behind the drafting of others: it counts
-                charged = (guard, guard.arm, 0, opened)
+                charged = (guard, arm, 0, opened)
             while self.pushed < self.spec.max_new_tokens:
                 began = time.perf_counter()
                 charge(began)

@@ -126,6 +126,7 @@ class DraftLink(_Link):
         self.shape = shape
         self.on_fallback = on_fallback
         self.on_recovered = on_recovered  # the replica's breaker closed again
+        self.prefilled = False  # the opening prefill was tried (at open, or first draft)
 
     async def _open(self) -> None:
         self.cursor = Cursor.fresh(self.history)
@@ -139,7 +140,9 @@ class DraftLink(_Link):
         )
 
     async def prefill(self) -> None:
-        """Open a session ahead of the first step (failures only mean no speculation yet)."""
+        """Open a session ahead of the first drafting step (failures only mean no
+        speculation yet)."""
+        self.prefilled = True
         replica = self.pool.pick()
         if replica is None:
             return

@@ -58,10 +58,24 @@ def test_same_seed_same_output_and_64_bit_seeds_differ(llama_pair, temperature):
         assert len({tuple(v[0]) for v in outs.values()}) == 3
 
 
+def _count_draft_opens(system) -> list[int]:
+    """Record the history length of every draft session opened from now on."""
+    opened: list[int] = []
+    open_draft = system.drafter.open_draft
+
+    async def spy(session_id, tokens, params, shape):
+        opened.append(len(tokens))
+        return await open_draft(session_id, tokens, params, shape)
+
+    system.drafter.open_draft = spy
+    return opened
+
+
 def test_adaptive_steps_are_charged_to_the_plain_check_and_stay_exact(llama_pair, monkeypatch):
     """Every step of an adaptive request is charged to the PlainGuard arm it was
     chosen under (all its tokens, positive seconds); under the plain arm no step
-    drafts; greedy output is generate()'s under either arm."""
+    drafts and no draft session is opened; greedy output is generate()'s under
+    either arm."""
     from orchestrator import adaptive
 
     monkeypatch.setattr(adaptive, "_EPOCH_STEPS", 10**6)  # one epoch per arm, set below
@@ -83,19 +97,58 @@ def test_adaptive_steps_are_charged_to_the_plain_check_and_stay_exact(llama_pair
                 record(arm, tokens, seconds, concurrent)
 
             guard.record = spy
+            opened = _count_draft_opens(system)
             for arm in ("model", "plain"):
                 guard.arm = arm
+                opened.clear()
                 got, _, stats = await system.generate(
                     prompt=ids, max_new_tokens=24, temperature=0.0
                 )
                 assert got == want, arm
                 assert stats.adaptive
                 if arm == "plain":
-                    assert stats.drafted == 0
+                    assert stats.drafted == 0 and opened == []
+                else:
+                    assert stats.drafted > 0 and opened == [len(ids) - 1]
                 mine = [c for c in charged if c[0] == arm]
                 assert sum(tokens for _, tokens, _ in mine) == 24, arm
                 # the prefill (no tokens), then every step
                 assert len(mine) == stats.steps + 1 and all(s > 0 for _, _, s in mine), arm
                 assert mine[-stats.steps - 1][1] == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_starts_plain_opens_its_draft_when_it_first_drafts(llama_pair, monkeypatch):
+    """An adaptive request that starts in a plain epoch of the check skips the draft
+    prefill; when the model's arm takes over mid-request, its first drafting step
+    opens the draft on the history so far, and greedy output stays generate()'s."""
+    from orchestrator import adaptive
+
+    monkeypatch.setattr(adaptive, "_EPOCH_STEPS", 10**6)  # epochs change only here
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("plain first")
+    want = _reference(target, ids, 24)
+
+    async def scenario():
+        async with in_process(
+            draft, target, adaptive_plain_check=True, adaptive_plain_check_min_requests=1
+        ) as system:
+            guard = system.orch.cost.guard(True, 1)
+            record = guard.record
+
+            def switch(arm: str, tokens: int, seconds: float, concurrent: int = 1) -> None:
+                record(arm, tokens, seconds, concurrent)
+                if tokens:  # the first step is charged: the model's arm from now on
+                    guard.arm = "model"
+
+            guard.record = switch
+            guard.arm = "plain"
+            opened = _count_draft_opens(system)
+            got, _, stats = await system.generate(prompt=ids, max_new_tokens=24, temperature=0.0)
+            assert got == want
+            assert stats.drafted > 0 and len(opened) == 1
+            assert opened[0] > len(ids) - 1  # the prompt and what the plain steps emitted
+            assert stats.fallback_steps == 0
 
     asyncio.run(scenario())
