@@ -8,6 +8,7 @@ PNG plots; the delay proxy must forward bytes unchanged and add its delay.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from specdec.local.proxy import ProxyGroup
+from specdec.local.stack import pin_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -141,3 +145,26 @@ def test_step_math_writes_results(tmp_path):
     # per vocabulary: greedy once, then each wire top-k at T=1
     assert [(r["temperature"], r["wire_top_k"]) for r in rows[:3]] == [(0, 16), (1, 16), (1, 64)]
     assert len(rows) == 6 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)
+
+
+def test_pinning_a_service_pins_every_thread_it_has():
+    """Emulating separate machines pins each service's threads, not only its main
+    one (gRPC's threads carry every message)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    code = (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print('up', flush=True); time.sleep(30)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(tids) == 4
+        core = min(os.sched_getaffinity(0))
+        pin_process(proc.pid, {core})
+        assert all(os.sched_getaffinity(t) == {core} for t in tids)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -197,6 +197,18 @@ def spawn(
     return subprocess.Popen(args, stdout=out, stderr=err, env=env, cwd=REPO)
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Run every thread of process ``pid`` on these CPUs (threads it starts later
+    inherit it). ``os.sched_setaffinity(pid)`` alone moves only the main thread: a
+    service's gRPC threads, which carry every message, would stay on every core."""
+    tasks = Path(f"/proc/{pid}/task")
+    for tid in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [pid]:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
 def start_local(
     config_path: str | None,
     overrides: list[str] = (),
@@ -394,7 +406,7 @@ class Stack:
 
     def pin(self, role: str, cpus: set[int]) -> None:
         """Run ``role`` on these CPUs only (standing for a machine of its own)."""
-        os.sched_setaffinity(self.proc(role).pid, cpus)
+        pin_process(self.proc(role).pid, cpus)
 
     def start_orchestrator(
         self, name: str, draft: str, target: str, sets: dict | None = None
@@ -427,7 +439,7 @@ class Stack:
     def pin_extra(self, cores: int | set[int]) -> None:
         """Run the extra orchestrators on this CPU (or these)."""
         for proc in self.extra:
-            os.sched_setaffinity(proc.pid, {cores} if isinstance(cores, int) else cores)
+            pin_process(proc.pid, {cores} if isinstance(cores, int) else cores)
 
     def stop_extra(self) -> None:
         stop_local(self.extra)
