@@ -391,8 +391,13 @@ class CostModel:
         return scale * (verify + (1 - chained) * draft + chained * max(0.0, draft - verify))
 
     def rate(self, gamma: int, alpha: float, overlap: bool, run: int = 1) -> float:
-        """Expected tokens per second of one request (gamma 0: plain runs of ``run``)."""
+        """Expected tokens per second of one request (gamma 0: plain runs of ``run``).
+        A step that chains (every draft accepted, the next block drafted ahead: chance
+        alpha^gamma) emits no bonus token: the next block's first draft is tested at
+        that position instead (``orchestrator.step.settle``)."""
         tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
+        if gamma and overlap:
+            tokens -= alpha**gamma
         return tokens / self.step_cost(gamma, alpha, overlap, run=run)
 
     def choose(

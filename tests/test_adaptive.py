@@ -55,6 +55,18 @@ def test_overlap_when_the_draft_can_hide_behind_the_verify():
     assert m.rate(gamma, 0.8, True) > m.rate(gamma, 0.8, False)
 
 
+def test_a_chained_step_has_no_bonus_so_hiding_a_cheap_draft_does_not_pay():
+    m = model(rtt=0.005)
+    tokens = expected_tokens_per_step(0.8, 4) - 0.8**4  # chains with chance 0.8^4
+    assert abs(m.rate(4, 0.8, True) - tokens / m.step_cost(4, 0.8, True)) < 1e-9
+    # Measured on the demo pair, greedy, gamma 4: 2.80 tokens per sequential step and
+    # 2.52 per overlapped one (29% of them chained). A draft this cheap saves less
+    # time when hidden than the bonus tokens of the chained steps are worth.
+    cheap = model(draft=0.0001)
+    assert cheap.rate(4, 0.8, True) < cheap.rate(4, 0.8, False)
+    assert not cheap.choose(0.8, 16, allow_overlap=True)[1]
+
+
 def test_under_load_less_speculation_down_to_plain():
     gammas = [model(sessions=n).choose(0.7, 16, False)[0] for n in (1, 4, 16, 64)]
     assert gammas == sorted(gammas, reverse=True) and gammas[0] > gammas[-1]
