@@ -144,6 +144,8 @@ def test_a_request_that_starts_plain_opens_its_draft_when_it_first_drafts(llama_
 
             guard.record = switch
             guard.arm = "plain"
+            # Under the model's arm, draft (whatever tiny models on a CPU would favour).
+            monkeypatch.setattr(system.orch.cost, "choose", lambda *args, **kw: (2, False))
             opened = _count_draft_opens(system)
             got, _, stats = await system.generate(prompt=ids, max_new_tokens=24, temperature=0.0)
             assert got == want
