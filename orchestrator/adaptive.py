@@ -7,9 +7,7 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 * sequential: R_d + D(g) + R_t + V(g)
 * overlapped (the draft drafts the next block while the target verifies this
   one, as if every draft will be accepted; that block is used with
-  probability a^g): R_t + V(g) + (1 - a^g)(R_d + D(g)) + a^g max(0, R_d + D(g) - R_t - V(g)),
-  emitting a^g fewer tokens than E(a, g): a step that chains emits no bonus
-  token (the next block's first draft is tested at that position)
+  probability a^g): R_t + V(g) + (1 - a^g)(R_d + D(g)) + a^g max(0, R_d + D(g) - R_t - V(g))
 * plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
   request's start) costs R_t + k V(0) and emits k tokens,
 
@@ -33,13 +31,9 @@ ones save; with one session it is the single-request model.
 one; what they leave out (the draft drafting ahead competing with the
 orchestrator or the target for a core, event-loop hand-offs, a discarded block's
 roll-back) shows up only in the steps' wall time. So for each kind of step
-(plain, sequential, overlapped) the model also keeps the ratios of the
-measured step time and tokens per step to those it predicted, and scales its
-predictions by them: a kind of step that is slower, or emits fewer tokens, than
-modelled loses to the others. (Acceptance is not independent from draft to
-draft, as E(a, g) assumes, and a block drafted ahead is used only as often as
-whole blocks are accepted: on the demo pair, greedy at gamma 4, overlapped
-steps emitted 2.52 tokens on average, sequential ones 2.80.)
+(plain, sequential, overlapped) the model also keeps the ratio of the measured
+step time to the time it predicted, and scales its prediction by it: a kind of
+step that is slower than modelled loses to the others.
 
 Estimates are exponentially weighted; the pool's acceptance rate starts from a
 prior that its first judged drafts only move. A request's acceptance rate is
@@ -267,9 +261,6 @@ class CostModel:
     # seconds (their ratio calibrates step_cost).
     measured_s: dict = field(default_factory=dict)
     predicted_s: dict = field(default_factory=dict)
-    # ... and its measured and predicted tokens per step (their ratio calibrates rate).
-    measured_tokens: dict = field(default_factory=dict)
-    predicted_tokens: dict = field(default_factory=dict)
     # Plain tokens the pool decoded since its last drafting step (see explore).
     plain_tokens: int = 0
     # The measured check against plain decoding, per sampling class (greedy: True) and
@@ -331,16 +322,10 @@ class CostModel:
         metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
 
     def observe_step(
-        self,
-        gamma: int,
-        overlap: bool,
-        alpha: float,
-        seconds: float,
-        run: int = 1,
-        tokens: int | None = None,
+        self, gamma: int, overlap: bool, alpha: float, seconds: float, run: int = 1
     ) -> None:
         """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
-        ``run`` tokens) took ``seconds`` and emitted ``tokens`` (None: not counted)."""
+        ``run`` tokens) took ``seconds``."""
         kind = _kind(gamma, overlap)
         self.plain_tokens = self.plain_tokens + run if gamma == 0 else 0
         predicted = self.step_cost(gamma, alpha, overlap, calibrated=False, run=run)
@@ -349,13 +334,6 @@ class CostModel:
         self.measured_s[kind].add(seconds)
         self.predicted_s[kind].add(predicted)
         metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
-        if tokens is not None:
-            want = self.expected_tokens(gamma, alpha, overlap, run)
-            if kind not in self.measured_tokens:
-                self.measured_tokens[kind], self.predicted_tokens[kind] = _Ewma(0), _Ewma(0)
-            self.measured_tokens[kind].add(tokens)
-            self.predicted_tokens[kind].add(want)
-            metrics.ESTIMATE.labels(f"step_tokens_ratio_{kind}").set(self.token_calibration(kind))
 
     def explore(self) -> bool:
         """Whether a step the model would decode plain should draft one token instead,
@@ -374,12 +352,6 @@ class CostModel:
         if kind not in self.measured_s:
             return 1.0
         return self.measured_s[kind].value / max(self.predicted_s[kind].value, 1e-9)
-
-    def token_calibration(self, kind: str) -> float:
-        """Measured / predicted tokens per step for this kind of step (1 until measured)."""
-        if kind not in self.measured_tokens:
-            return 1.0
-        return self.measured_tokens[kind].value / max(self.predicted_tokens[kind].value, 1e-9)
 
     def observe_acceptance(self, judged: int, accepted: int) -> None:
         """A step's judged drafts (accepted ones plus the first rejected one)."""
@@ -418,21 +390,14 @@ class CostModel:
         chained = alpha**gamma
         return scale * (verify + (1 - chained) * draft + chained * max(0.0, draft - verify))
 
-    def expected_tokens(self, gamma: int, alpha: float, overlap: bool, run: int = 1) -> float:
-        """Tokens a step emits on average, as modelled (gamma 0: a plain run of ``run``).
+    def rate(self, gamma: int, alpha: float, overlap: bool, run: int = 1) -> float:
+        """Expected tokens per second of one request (gamma 0: plain runs of ``run``).
         A step that chains (every draft accepted, the next block drafted ahead: chance
         alpha^gamma) emits no bonus token: the next block's first draft is tested at
         that position instead (``orchestrator.step.settle``)."""
-        if not gamma:
-            return float(run)
-        tokens = expected_tokens_per_step(alpha, gamma)
-        return tokens - alpha**gamma if overlap else tokens
-
-    def rate(self, gamma: int, alpha: float, overlap: bool, run: int = 1) -> float:
-        """Expected tokens per second of one request (gamma 0: plain runs of ``run``),
-        each kind of step's tokens scaled by what it measured."""
-        tokens = self.expected_tokens(gamma, alpha, overlap, run)
-        tokens *= self.token_calibration(_kind(gamma, overlap))
+        tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
+        if gamma and overlap:
+            tokens -= alpha**gamma
         return tokens / self.step_cost(gamma, alpha, overlap, run=run)
 
     def choose(

@@ -456,7 +456,6 @@ class Generation:
             self.policy.alpha,
             t4 - t0,
             run=1 if drafts else len(outcome.tokens),
-            tokens=len(outcome.tokens),
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)

@@ -105,27 +105,6 @@ def test_a_kind_of_step_slower_than_modelled_loses_to_the_others():
     assert m.choose(0.8, 16, allow_overlap=True)[1] is False
 
 
-def test_a_kind_of_step_emitting_fewer_tokens_than_modelled_loses_to_the_others():
-    """Overlapped steps that take the modelled time but emit 20% fewer tokens than
-    modelled (acceptance correlated within a block: whole blocks are accepted less
-    often than alpha^gamma) are no longer chosen; plain runs emit what they model."""
-    m = model(rtt=0.005)
-    gamma, overlap = m.choose(0.8, 16, allow_overlap=True)
-    assert overlap
-    for _ in range(100):
-        for ahead in (True, False):
-            m.observe_step(
-                gamma, ahead, 0.8, m.step_cost(gamma, 0.8, ahead, calibrated=False),
-                tokens=m.expected_tokens(gamma, 0.8, ahead) * (0.8 if ahead else 1.0),
-            )  # fmt: skip
-        m.observe_step(0, False, 0.8, m.step_cost(0, 0.8, False, calibrated=False, run=4),
-                       run=4, tokens=4)  # fmt: skip
-    assert abs(m.token_calibration("overlapped") - 0.8) < 1e-6
-    assert abs(m.token_calibration("sequential") - 1.0) < 1e-6
-    assert abs(m.token_calibration("plain") - 1.0) < 1e-6
-    assert m.choose(0.8, 16, allow_overlap=True)[1] is False
-
-
 def test_the_pool_alpha_is_accepted_over_judged_not_a_mean_of_step_ratios():
     import random
 
