@@ -7,7 +7,9 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 * sequential: R_d + D(g) + R_t + V(g)
 * overlapped (the draft drafts the next block while the target verifies this
   one, as if every draft will be accepted; that block is used with
-  probability a^g): R_t + V(g) + (1 - a^g)(R_d + D(g)) + a^g max(0, R_d + D(g) - R_t - V(g))
+  probability a^g): R_t + V(g) + (1 - a^g)(R_d + D(g)) + a^g max(0, R_d + D(g) - R_t - V(g)),
+  emitting a^g fewer tokens than E(a, g): a step that chains emits no bonus
+  token (the next block's first draft is tested at that position)
 * plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
   request's start) costs R_t + k V(0) and emits k tokens,
 
