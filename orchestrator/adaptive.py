@@ -11,7 +11,8 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
   emitting a^g fewer tokens than E(a, g): a step that chains emits no bonus
   token (the next block's first draft is tested at that position)
 * plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
-  request's start) costs R_t + k V(0) and emits k tokens,
+  request's start) costs R_t + k P and emits k tokens (P: a run's pass, timed
+  on its own),
 
 where R_d, R_t are the round trips to each service beyond its compute
 (network, gRPC), D(g) = D_0 + g d the draft's time to draft g tokens (a part
@@ -248,6 +249,12 @@ class CostModel:
     # A forward pass's seconds as a line in the tokens it carries.
     target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
+    # A pass of a plain run (its mean): runs are timed on their own, not fitted into
+    # target_pass. Their passes follow one another, while a verify comes after the
+    # draft's turn, and on a CPU a pass after an idle gap is slower (caches): mixed into
+    # one line, that gap became a per-token cost (a slope 3x too steep, measured), so
+    # long drafts looked dear and the model drifted to short ones and plain runs.
+    plain_pass_s: _Ewma = field(default_factory=lambda: _Ewma(0.01))
     # Service time beyond the forward passes (sampling, packing, queueing).
     target_extra_s: _Ewma = field(default_factory=lambda: _Ewma(0.0002))
     # A propose call's time beyond its forward passes (its own work, sampling, the
@@ -314,12 +321,16 @@ class CostModel:
             return
         own = gamma + 1
         if forward_s > 0 and batch_tokens > 0:
-            self.target_pass.add(batch_tokens, forward_s / passes)
+            if gamma:
+                self.target_pass.add(batch_tokens, forward_s / passes)
+            else:
+                self.plain_pass_s.add(forward_s / passes)
             self.target_sessions.add(max(1.0, batch_tokens / own))
         self.target_extra_s.add(max(0.0, compute_s - forward_s) / passes)
         self.rtt_target_s.add(max(0.0, wall_s - compute_s))
         metrics.ESTIMATE.labels("rtt_target_seconds").set(self.rtt_target_s.value)
         metrics.ESTIMATE.labels("verify_seconds_gamma0").set(self.verify_cost(0))
+        metrics.ESTIMATE.labels("plain_pass_seconds").set(self.plain_pass_cost())
         metrics.ESTIMATE.labels("verify_seconds_per_position").set(self.target_pass.b)
         metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
 
@@ -371,6 +382,12 @@ class CostModel:
         """The draft service's seconds for a propose call of ``gamma`` tokens."""
         return self.draft_extra.a + gamma * self.draft_token_s()
 
+    def plain_pass_cost(self) -> float:
+        """The target's seconds per pass of a plain run (as measured once seen)."""
+        if not self.plain_pass_s.seen:
+            return self.verify_cost(0)
+        return self.plain_pass_s.value + self.target_extra_s.value
+
     def verify_cost(self, gamma: int) -> float:
         """V(gamma): a pass in which every session sharing it verifies gamma drafts."""
         tokens = self.target_sessions.value * (gamma + 1)
@@ -384,7 +401,7 @@ class CostModel:
         ``calibrated`` is False."""
         scale = self.calibration(_kind(gamma, overlap)) if calibrated else 1.0
         if gamma == 0:
-            return scale * (self.rtt_target_s.value + run * self.verify_cost(0))
+            return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
         verify = self.rtt_target_s.value + self.verify_cost(gamma)
         draft = self.rtt_draft_s.value + self.draft_cost(gamma)
         if not overlap:

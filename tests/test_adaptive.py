@@ -67,6 +67,20 @@ def test_a_chained_step_has_no_bonus_so_hiding_a_cheap_draft_does_not_pay():
     assert not cheap.choose(0.8, 16, allow_overlap=True)[1]
 
 
+def test_plain_runs_are_timed_on_their_own_not_fitted_with_verify_passes():
+    """A plain run's back-to-back passes (warm) do not steepen the verify line, whose
+    passes each follow an idle gap (the draft's turn); plain steps cost what runs measure."""
+    m = CostModel()
+    for _ in range(200):
+        for gamma in (2, 4, 6):  # cold verify passes: 14 ms + 0.4 ms per token
+            m.observe_verify(gamma, 0.016, 0.015, 0.014 + 0.0004 * (gamma + 1), gamma + 1)
+        m.observe_verify(0, 0.095, 0.094, 0.088, 1, passes=8)  # warm: 11 ms a pass
+    assert abs(m.target_pass.b - 0.0004) < 1e-6 and abs(m.target_pass.a - 0.014) < 1e-6
+    assert abs(m.plain_pass_cost() - (0.011 + m.target_extra_s.value)) < 1e-9
+    rtt = m.rtt_target_s.value
+    assert abs(m.step_cost(0, 0.7, False, run=8) - (rtt + 8 * m.plain_pass_cost())) < 1e-9
+
+
 def test_under_load_less_speculation_down_to_plain():
     gammas = [model(sessions=n).choose(0.7, 16, False)[0] for n in (1, 4, 16, 64)]
     assert gammas == sorted(gammas, reverse=True) and gammas[0] > gammas[-1]
