@@ -9,7 +9,10 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
   one, as if every draft will be accepted; that block is used with
   probability a^g): R_t + V(g) + (1 - a^g)(R_d + D(g)) + a^g max(0, R_d + D(g) - R_t - V(g)),
   emitting a^g fewer tokens than E(a, g): a step that chains emits no bonus
-  token (the next block's first draft is tested at that position)
+  token (the next block's first draft is tested at that position). A greedy
+  request keeps the bonus instead: it drafts the next block one token longer
+  (D(g + 1)) and uses it when that token is the bonus (chance a^(g+1)), so its
+  steps emit E(a, g)
 * plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
   request's start) costs R_t + k P and emits k tokens (P: a run's pass, timed
   on its own),
@@ -335,13 +338,19 @@ class CostModel:
         metrics.ESTIMATE.labels("target_sessions_per_pass").set(self.target_sessions.value)
 
     def observe_step(
-        self, gamma: int, overlap: bool, alpha: float, seconds: float, run: int = 1
+        self,
+        gamma: int,
+        overlap: bool,
+        alpha: float,
+        seconds: float,
+        run: int = 1,
+        match: bool = False,
     ) -> None:
         """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
-        ``run`` tokens) took ``seconds``."""
+        ``run`` tokens; ``match``: a greedy one, see ``step_cost``) took ``seconds``."""
         kind = _kind(gamma, overlap)
         self.plain_tokens = self.plain_tokens + run if gamma == 0 else 0
-        predicted = self.step_cost(gamma, alpha, overlap, calibrated=False, run=run)
+        predicted = self.step_cost(gamma, alpha, overlap, calibrated=False, run=run, match=match)
         if kind not in self.measured_s:
             self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
         self.measured_s[kind].add(seconds)
@@ -394,11 +403,18 @@ class CostModel:
         return self.target_pass(tokens) + self.target_extra_s.value
 
     def step_cost(
-        self, gamma: int, alpha: float, overlap: bool, calibrated: bool = True, run: int = 1
+        self,
+        gamma: int,
+        alpha: float,
+        overlap: bool,
+        calibrated: bool = True,
+        run: int = 1,
+        match: bool = False,
     ) -> float:
         """Expected seconds of one step (gamma 0: a plain run of ``run`` tokens),
         scaled by the measured/predicted ratio of its kind of step unless
-        ``calibrated`` is False."""
+        ``calibrated`` is False. ``match``: a greedy request's overlap, whose block
+        drafted ahead is one token longer and chains when that token is the bonus."""
         scale = self.calibration(_kind(gamma, overlap)) if calibrated else 1.0
         if gamma == 0:
             return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
@@ -406,29 +422,33 @@ class CostModel:
         draft = self.rtt_draft_s.value + self.draft_cost(gamma)
         if not overlap:
             return scale * (draft + verify)
-        chained = alpha**gamma
-        return scale * (verify + (1 - chained) * draft + chained * max(0.0, draft - verify))
+        chained = alpha ** (gamma + match)
+        hidden = self.rtt_draft_s.value + self.draft_cost(gamma + match)
+        return scale * (verify + (1 - chained) * draft + chained * max(0.0, hidden - verify))
 
-    def rate(self, gamma: int, alpha: float, overlap: bool, run: int = 1) -> float:
+    def rate(
+        self, gamma: int, alpha: float, overlap: bool, run: int = 1, match: bool = False
+    ) -> float:
         """Expected tokens per second of one request (gamma 0: plain runs of ``run``).
         A step that chains (every draft accepted, the next block drafted ahead: chance
         alpha^gamma) emits no bonus token: the next block's first draft is tested at
-        that position instead (``orchestrator.step.settle``)."""
+        that position instead (``orchestrator.step.settle``); with ``match`` (greedy)
+        it keeps the bonus."""
         tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
-        if gamma and overlap:
+        if gamma and overlap and not match:
             tokens -= alpha**gamma
-        return tokens / self.step_cost(gamma, alpha, overlap, run=run)
+        return tokens / self.step_cost(gamma, alpha, overlap, run=run, match=match)
 
     def choose(
-        self, alpha: float, limit: int, allow_overlap: bool, run: int = 1
+        self, alpha: float, limit: int, allow_overlap: bool, run: int = 1, match: bool = False
     ) -> tuple[int, bool]:
         """The (gamma, overlap) with the highest expected rate, gamma <= limit; a plain
-        step would be a run of ``run`` tokens."""
+        step would be a run of ``run`` tokens; ``match``: a greedy request (``rate``)."""
         best = (0, False)
         best_rate = self.rate(0, alpha, False, run)
         for gamma in range(1, min(limit, self.max_gamma) + 1):
             for overlap in (False, True) if allow_overlap else (False,):
-                r = self.rate(gamma, alpha, overlap)
+                r = self.rate(gamma, alpha, overlap, match=match)
                 if r > best_rate * 1.0001:
                     best, best_rate = (gamma, overlap), r
         return best
@@ -478,7 +498,7 @@ class RequestPolicy:
         if self.arm == "plain":
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False
-        gamma, overlap = self.model.choose(self.alpha, limit, self.overlap, run)
+        gamma, overlap = self.model.choose(self.alpha, limit, self.overlap, run, self.greedy)
         if gamma == 0 and limit > 0 and self.model.explore():
             gamma = 1  # keep alpha and the draft's costs current
         metrics.CHOSEN_GAMMA.observe(gamma)

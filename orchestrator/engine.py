@@ -23,12 +23,12 @@ from typing import Any
 
 import specdec
 from specdec import metrics
-from specdec.config import Config
+from specdec.config import MAX_GAMMA, Config
 from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from specdec.rng import generator, seeds
 from specdec.runtime.loading import ModelInfo, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import Proposal
-from specdec.wire import PROTOCOL_VERSION, WireShape
+from specdec.wire import PROTOCOL_VERSION, WireShape, drop_first
 
 from .adaptive import CostModel, RequestPolicy
 from .monitor import ExactnessMonitor, emitted_terms
@@ -375,8 +375,9 @@ class Generation:
         With overlap, the draft drafts the next block while the target verifies
         this one, from ``ahead(cursor, drafts)``: as if every draft will be
         accepted. If they all are, that block takes the bonus position (``settle``
-        with ``chain``); otherwise it is discarded and the draft rolls back in its
-        next call.
+        with ``chain``); a greedy request drafts it one token longer and uses it
+        when its first token is the bonus (``ahead_first``). Otherwise it is
+        discarded and the draft rolls back in its next call.
         """
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
@@ -397,13 +398,17 @@ class Generation:
         drafts = proposal.tokens if proposal is not None else []
         t1 = time.perf_counter()
         ahead_task = None
-        left = remaining - len(drafts)  # tokens still wanted if every draft is accepted
+        # Greedy overlap keeps the bonus: the block drafted ahead is one token longer,
+        # and used when its first token is the bonus (``settle`` with ``ahead_first``).
+        match = self.spec.params.greedy
+        # Tokens still wanted if every draft is accepted (and the bonus, when matched).
+        left = remaining - len(drafts) - match
         if overlap and drafts and left > 1 and self.draft is not None and self.draft.session:
-            next_gamma = self.policy.choose(left - 1)[0]
+            next_gamma = min(self.policy.choose(left - 1)[0], MAX_GAMMA - match)
             if next_gamma:
                 cursor = ahead(self.draft.cursor, drafts)
                 ahead_task = asyncio.ensure_future(
-                    self.draft.propose(next_gamma, ahead_seed, ahead=cursor)
+                    self.draft.propose(next_gamma + match, ahead_seed, ahead=cursor)
                 )
         run = 1 if drafts else plain_run
         pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
@@ -415,20 +420,15 @@ class Generation:
             raise
         t2 = time.perf_counter()
         u = self.rng.random(len(drafts)).tolist()
-        chain, next_proposal = False, None
-        if ahead_task is not None:
-            next_proposal = await ahead_task
-            chain = next_proposal is not None and all(
-                u_i * q < p for u_i, p, q in zip(u, verdict.p_draft, verdict.q_draft, strict=True)
-            )
-            metrics.OVERLAPPED_STEPS.labels("used" if chain else "discarded").inc()
+        next_proposal = await ahead_task if ahead_task is not None else None
         outcome = settle(
             self.target.cursor,
             self.draft.cursor if self.draft else None,
             drafts,
             verdict,
             u,
-            chain=chain,
+            chain=next_proposal is not None and not match,
+            ahead_first=next_proposal.tokens[0] if next_proposal is not None and match else None,
         )
         self.target.cursor = outcome.target
         if self.draft is not None:
@@ -436,11 +436,13 @@ class Generation:
         if verdict.mass_above:
             self.orch.monitor.observe(
                 *emitted_terms(
-                    verdict.mass_above, verdict.p_at, len(drafts), outcome.accepted, outcome.chained
+                    verdict.mass_above, verdict.p_at, len(drafts), outcome.accepted, outcome.bonus
                 )
             )
-        if chain:
-            self.ahead = next_proposal
+        if ahead_task is not None:
+            metrics.OVERLAPPED_STEPS.labels("used" if outcome.chained else "discarded").inc()
+        if outcome.chained:
+            self.ahead = drop_first(next_proposal) if match else next_proposal
             self.stats.overlapped_steps += 1
         self.history.extend(outcome.tokens)
         t3 = time.perf_counter()
@@ -456,6 +458,7 @@ class Generation:
             self.policy.alpha,
             t4 - t0,
             run=1 if drafts else len(outcome.tokens),
+            match=match,
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)

@@ -88,16 +88,17 @@ class ExactnessMonitor:
 
 
 def emitted_terms(
-    above: list[float], at: list[float], gamma: int, accepted: int, chained: bool
+    above: list[float], at: list[float], gamma: int, accepted: int, bonus: bool
 ) -> tuple[list[float], list[float]]:
     """The PIT terms of the tokens a step emitted, from the verdict's 2 gamma + 1 entries
     (x_1..x_gamma, the residual draws, the bonus): the accepted drafts, then the
-    residual at the first rejection or the bonus (none when the step chained). A
-    plain run's further draws follow the bonus, and are all emitted."""
+    residual at the first rejection or the bonus (none when ``bonus`` is False: the
+    next block took its position). A plain run's further draws follow the bonus,
+    and are all emitted."""
     take = list(range(accepted))
     if accepted < gamma:
         take.append(gamma + accepted)
-    elif not chained:
+    elif bonus:
         take.append(2 * gamma)
     if not gamma:
         take += range(1, len(above))

@@ -54,7 +54,12 @@ class StepOutcome:
     accepted: int  # n
     target: Cursor  # the target's cursor after the step
     draft: Cursor | None  # the draft's (None: it has no session)
-    chained: bool = False  # all accepted, and the next draft takes the bonus position
+    # The block drafted ahead is the next proposal (overlapped speculation): it took
+    # the bonus position (``chain``), or its first token equals the bonus (``ahead_first``).
+    chained: bool = False
+    # It emitted a residual or bonus draw; False when the next block's first draft
+    # takes the bonus position instead (``chain``).
+    bonus: bool = True
 
 
 def ahead(draft: Cursor, drafts: Sequence[int]) -> Cursor:
@@ -70,6 +75,7 @@ def settle(
     verdict: Verdict,
     u: Sequence[float],
     chain: bool = False,
+    ahead_first: int | None = None,
 ) -> StepOutcome:
     """Accept or reject the drafts and move both cursors.
 
@@ -80,13 +86,23 @@ def settle(
     bonus position: if every draft is accepted, no bonus token is emitted; the
     next proposal's first token is tested at that position against the p the
     target already computed (overlapped speculation, docs/exactness.md).
+    ``ahead_first``: the first token y_1 of a block drafted ahead one token longer
+    (greedy overlap): if every draft is accepted and the bonus equals y_1, the step
+    emits as a sequential one and y_2.. become the next proposal, drafted from the
+    draft cursor this returns (``chained``).
     """
     gamma = len(drafts)
     n = accepted_count(verdict.p_draft, verdict.q_draft, u)
     if chain and gamma and n == gamma:
         # The target fed every draft and kept p for the next position: nothing pending.
         return StepOutcome(
-            list(drafts), gamma, n, Cursor(target.end + n, ()), ahead(draft, drafts), True
+            list(drafts),
+            gamma,
+            n,
+            Cursor(target.end + n, ()),
+            ahead(draft, drafts),
+            chained=True,
+            bonus=False,
         )
     emitted = step_tokens(list(drafts), n, verdict.residual_tokens, verdict.bonus_token)
     run = [] if gamma else list(verdict.run_tokens)  # a plain run's further draws
@@ -94,8 +110,12 @@ def settle(
     # The target fed its pending tokens and every draft (the first n stay valid), or
     # in a plain run every draw but the last.
     new_target = Cursor(target.end + n + len(run), (emitted[-1],))
+    matched = draft is not None and gamma > 0 and n == gamma and verdict.bonus_token == ahead_first
     if draft is None:
         new_draft = None
+    elif matched:
+        # Drafting ahead fed x_gamma and y_1 (the bonus) too: y_2.. were drafted after it.
+        new_draft = Cursor(draft.end + gamma, (verdict.bonus_token,))
     elif gamma:
         # The draft fed its pending tokens and x_1..x_{gamma-1} (x_gamma never): of
         # those, the first min(n, gamma - 1) drafts stay valid.
@@ -103,4 +123,4 @@ def settle(
         new_draft = Cursor(draft.end + kept, tuple(drafts[kept:n]) + (emitted[-1],))
     else:  # the draft saw nothing this step
         new_draft = Cursor(draft.cache_len, draft.pending + tuple(emitted))
-    return StepOutcome(emitted, gamma, n, new_target, new_draft)
+    return StepOutcome(emitted, gamma, n, new_target, new_draft, chained=matched)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from specdec.errors import InvalidArgument, require
 from specdec.runtime.loading import ModelInfo
-from specdec.sampling import SamplingParams, SparseQ, drafted_probs
+from specdec.sampling import Proposal, SamplingParams, SparseQ, drafted_probs
 from specdec.v1 import common_pb2
 
 # Version of the draft/target session protocol (ModelInfo.protocol_version).
@@ -211,6 +211,36 @@ def unpack_q(
             f"{field}[{i}]", f"drafted token {drafts[i]} has q = 0; it cannot have been drawn"
         )
     return qs
+
+
+def drop_first_q(pb: common_pb2.PackedQ) -> common_pb2.PackedQ:
+    """The same q_2..q_gamma without q_1, still in wire form (no re-encoding).
+
+    Each position's ids restart from 0 and its escapes follow in order of
+    appearance, so the first position is its first ``sizes[0]`` bytes of each
+    byte string and as many escapes as those bytes hold 255s."""
+    n = pb.sizes[0]
+    ids, counts = pb.id_deltas[:n], pb.counts[:n]
+    return common_pb2.PackedQ(
+        sizes=pb.sizes[1:],
+        id_deltas=pb.id_deltas[n:],
+        id_escapes=pb.id_escapes[ids.count(_ESCAPE) :],
+        counts=pb.counts[n:],
+        count_escapes=pb.count_escapes[counts.count(_ESCAPE) :],
+        tails=pb.tails[1:],
+        bits=pb.bits,
+    )
+
+
+def drop_first(proposal: Proposal) -> Proposal:
+    """x_2..x_gamma of a proposal, with their q (a block drafted one token ahead whose
+    first token turned out to be the bonus: ``orchestrator.step.settle``)."""
+    return replace(
+        proposal,
+        tokens=proposal.tokens[1:],
+        qs=proposal.qs[1:] if proposal.qs is not None else None,
+        packed=drop_first_q(proposal.packed) if proposal.packed is not None else None,
+    )
 
 
 # ---- model info --------------------------------------------------------------------------

@@ -67,6 +67,26 @@ def test_a_chained_step_has_no_bonus_so_hiding_a_cheap_draft_does_not_pay():
     assert not cheap.choose(0.8, 16, allow_overlap=True)[1]
 
 
+def test_greedy_overlap_keeps_the_bonus_so_hiding_even_a_cheap_draft_pays():
+    """A greedy request drafts the next block one token longer and chains when that
+    token is the bonus (chance a^(g+1)): its steps emit E(a, g), as sequential ones do,
+    so whatever draft time is hidden is a gain."""
+    m = model(rtt=0.005)
+    tokens = expected_tokens_per_step(0.8, 4)
+    assert (
+        abs(m.rate(4, 0.8, True, match=True) - tokens / m.step_cost(4, 0.8, True, match=True))
+        < 1e-9
+    )
+    hidden = m.rtt_draft_s.value + m.draft_cost(5)
+    verify = m.rtt_target_s.value + m.verify_cost(4)
+    draft = m.rtt_draft_s.value + m.draft_cost(4)
+    want = verify + (1 - 0.8**5) * draft + 0.8**5 * max(0.0, hidden - verify)
+    assert abs(m.step_cost(4, 0.8, True, calibrated=False, match=True) - want) < 1e-12
+    cheap = model(draft=0.0001)
+    assert cheap.rate(4, 0.8, True, match=True) > cheap.rate(4, 0.8, False)
+    assert cheap.choose(0.8, 16, allow_overlap=True, match=True)[1]
+
+
 def test_plain_runs_are_timed_on_their_own_not_fitted_with_verify_passes():
     """A plain run's back-to-back passes (warm) do not steepen the verify line, whose
     passes each follow an idle gap (the draft's turn); plain steps cost what runs measure."""

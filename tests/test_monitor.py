@@ -39,12 +39,12 @@ def test_pit_terms_rank_tokens_by_probability():
 def test_the_emitted_tokens_terms_are_checked():
     above, at = [0.0, 0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8, 0.9]
     # gamma 2 (x1, x2, residuals r1, r2, bonus): x1 accepted, then r2.
-    assert emitted_terms(above, at, 2, 1, False) == ([0.0, 0.3], [0.5, 0.8])
-    assert emitted_terms(above, at, 2, 2, False) == ([0.0, 0.1, 0.4], [0.5, 0.6, 0.9])
-    assert emitted_terms(above, at, 2, 2, True) == ([0.0, 0.1], [0.5, 0.6])
+    assert emitted_terms(above, at, 2, 1, True) == ([0.0, 0.3], [0.5, 0.8])
+    assert emitted_terms(above, at, 2, 2, True) == ([0.0, 0.1, 0.4], [0.5, 0.6, 0.9])
+    assert emitted_terms(above, at, 2, 2, False) == ([0.0, 0.1], [0.5, 0.6])
     # A plain run: the bonus and every further draw.
-    assert emitted_terms(above, at, 0, 0, False) == (above, at)
-    assert emitted_terms(above[:1], at[:1], 0, 0, False) == ([0.0], [0.5])
+    assert emitted_terms(above, at, 0, 0, True) == (above, at)
+    assert emitted_terms(above[:1], at[:1], 0, 0, True) == ([0.0], [0.5])
 
 
 @pytest.mark.parametrize("sharpen", [1.0, 1.3])

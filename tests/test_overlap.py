@@ -5,7 +5,9 @@ block k) keeps the output exactly the target's.
   the same pieces the engine uses (min(1, p/q) acceptance and
   ``residual_distribution``), equals p in float64; a pipeline that also emits
   the bonus when it chains does not;
-* greedy: equal to ``generate()`` for every gamma, overlapped or not;
+* greedy: equal to ``generate()`` for every gamma, overlapped or not, and an
+  overlapped greedy step keeps its bonus (the block drafted ahead is used when
+  its first token is the bonus);
 * statistical, through the gRPC services: the tokens at positions 1, 2 and 3
   of requests that chain (gamma 1, every draft drafted ahead) follow the
   target's marginals; the same test run against an orchestrator that takes
@@ -136,6 +138,9 @@ def test_greedy_equals_generate_overlapped_or_not(llama_pair):
 
     chained, stats = asyncio.run(scenario())
     assert stats.overlapped_steps >= 4 and stats.accepted == stats.drafted
+    # Greedy overlap keeps the bonus: every step emits gamma + 1 = 4 of the 30 tokens
+    # (a chain that took the bonus position would emit 3 per chained step: 10 steps).
+    assert stats.steps == 8 and stats.generated == 30, stats
 
 
 # ---- statistical, through gRPC ---------------------------------------------------------------
@@ -222,12 +227,12 @@ def test_a_pipeline_that_skips_the_chained_test_fails_the_same_test(llama_pair, 
 
     settle = engine.settle
 
-    def broken(target, draft, drafts, verdict, u, chain=False):
+    def broken(target, draft, drafts, verdict, u, chain=False, ahead_first=None):
         if drafts and not target.pending:
             # BROKEN: a draft drafted ahead was made "as if accepted": take its first
             # token without testing it against the p kept for that position.
             u = [0.0] + list(u[1:])
-        return settle(target, draft, drafts, verdict, u, chain=chain)
+        return settle(target, draft, drafts, verdict, u, chain=chain, ahead_first=ahead_first)
 
     monkeypatch.setattr(engine, "settle", broken)
     results, chained = _check(None, llama_pair, SamplingParams(1.0))  # in-process: quicker

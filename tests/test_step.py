@@ -48,8 +48,27 @@ def test_all_accepted_emits_the_bonus_or_chains():
     assert chained.draft == ahead(draft, [1, 2, 3]) == Cursor(13, (3,))
 
 
+def test_a_block_drafted_ahead_whose_first_token_is_the_bonus_is_the_next_proposal():
+    """Greedy overlap: the draft drafted y_1..y_4 after x_3 (feeding x_3, y_1..y_3).
+    If y_1 is the bonus, the step emits as a sequential one and y_2..y_4 are a draft
+    from the history it leaves: the draft's cursor stands right after x_3."""
+    target, draft = Cursor(10, (7,)), Cursor(10, (7,))
+    v = verdict([1, 2, 3], 3, bonus=901)
+    out = settle(target, draft, [1, 2, 3], v, [0.1] * 3, ahead_first=901)
+    assert out.tokens == [1, 2, 3, 901] and out.chained and out.bonus
+    assert out.target == Cursor(14, (901,))
+    assert out.draft == Cursor(14, (901,))  # y_2.. were drafted from here
+    missed = settle(target, draft, [1, 2, 3], v, [0.1] * 3, ahead_first=902)
+    assert missed.tokens == [1, 2, 3, 901] and not missed.chained
+    assert missed.draft == Cursor(13, (3, 901))  # as a sequential step: roll back
+    rejected = settle(target, draft, [1, 2, 3], verdict([1, 2, 3], 2), [0.1] * 3, ahead_first=901)
+    assert not rejected.chained and rejected.tokens == [1, 2, 902]
+
+
 # ---- invariants under random sequences -------------------------------------------------
-step_kinds = st.sampled_from(["draft", "plain", "lost_target", "lost_draft", "chain"])
+step_kinds = st.sampled_from(
+    ["draft", "plain", "lost_target", "lost_draft", "chain", "match", "miss"]
+)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -66,16 +85,23 @@ def test_cursors_always_describe_the_history(steps):
     # What each service has really been fed (simulated caches).
     t_cache, d_cache = history[:-1], history[:-1]
     next_token = 100
+    carried: list[int] | None = None  # a block drafted ahead that became the proposal
     for kind, gamma, accept in steps:
         if kind == "lost_target":
             target, t_cache = Cursor.fresh(history), history[:-1]
             continue
         if kind == "lost_draft":
-            draft, d_cache = None, []
+            draft, d_cache, carried = None, [], None
             continue
         if draft is None:
             draft, d_cache = Cursor.fresh(history), history[:-1]
-        drafts = [] if kind == "plain" else list(range(next_token, next_token + gamma))
+        if carried is not None:  # drafted (and fed to the draft) during the last verify
+            drafts, carried = carried, None
+        elif kind == "plain":
+            drafts = []
+        else:
+            drafts = list(range(next_token, next_token + gamma))
+            d_cache = d_cache[: draft.cache_len] + list(draft.pending) + drafts[:-1]
         next_token += gamma + 2
         n = min(accept, len(drafts))
         v = verdict(drafts, n, residual=next_token, bonus=next_token + 50)
@@ -87,19 +113,29 @@ def test_cursors_always_describe_the_history(steps):
         # The services do what the cursors tell them (a run feeds every draw but its last).
         fed_run = ([v.bonus_token] + v.run_tokens)[:-1] if v.run_tokens else []
         t_cache = t_cache[: target.cache_len] + list(target.pending) + drafts + fed_run
-        if drafts:
-            d_cache = d_cache[: draft.cache_len] + list(draft.pending) + drafts[:-1]
         chain = kind == "chain" and bool(drafts)
-        out = settle(target, draft, drafts, v, [0.5] * len(drafts), chain=chain)
+        first = None
+        if kind in ("match", "miss") and drafts:
+            # Draft y_1..y_(gamma+1) ahead, as if every draft will be accepted.
+            first = v.bonus_token if kind == "match" else v.bonus_token + 1
+            block = [first] + list(range(next_token, next_token + gamma))
+            next_token += gamma + 1
+            at = ahead(draft, drafts)
+            d_cache = d_cache[: at.cache_len] + list(at.pending) + block[:-1]
+        out = settle(target, draft, drafts, v, [0.5] * len(drafts), chain=chain, ahead_first=first)
+        if first is not None and out.chained:
+            carried = block[1:]
         history += out.tokens
         target, draft = out.target, out.draft
         assert target.end == len(history)
         assert t_cache[: target.cache_len] == history[: target.cache_len]
         if draft is not None:
-            assert draft.end == len(history)
+            assert draft.end == len(history) and draft.pending  # the draft keeps no p
             assert d_cache[: draft.cache_len] == history[: draft.cache_len]
         assert out.tokens, "a step always emits"
-        assert len(out.tokens) == out.accepted + (0 if out.chained else 1) + len(v.run_tokens)
+        assert len(out.tokens) == out.accepted + out.bonus + len(v.run_tokens)
+        all_in = bool(drafts) and out.accepted == len(drafts)
+        assert out.chained == (all_in and (chain or first == v.bonus_token))
 
 
 # ---- the engine with scripted ports -----------------------------------------------------

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from specdec.errors import InvalidArgument
 from specdec.rng import generator
 from specdec.sampling import (
+    Proposal,
     SamplingParams,
     SparseQ,
     drafted_probs,
@@ -21,7 +22,7 @@ from specdec.sampling import (
     residual_distribution,
     sparse_q,
 )
-from specdec.wire import pack_q, unpack_q
+from specdec.wire import drop_first, pack_q, unpack_q
 
 from .stats import tv, tv_threshold
 
@@ -53,6 +54,24 @@ def test_pack_unpack_round_trip(data):
         assert (b.tail, b.bits, b.vocab) == (q.tail, q.bits, q.vocab)
         for x in drafts:
             assert b.prob(x) == q.prob(x)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.data())
+def test_dropping_the_first_position_in_wire_form_keeps_the_rest(data):
+    """A block drafted ahead whose first token was the bonus is forwarded as x_2.. with
+    q_2.. cut from the packed bytes (escapes included), never re-encoded."""
+    vocab = data.draw(st.sampled_from([73, 4096, QWEN_VOCAB]))
+    bits = data.draw(st.sampled_from([8, 16, 30]))
+    qs = [data.draw(sparse_qs(vocab, bits)) for _ in range(data.draw(st.integers(2, 5)))]
+    drafts = [int(q.ids[np.argmax(q.counts)]) for q in qs]
+    packed = pack_q(qs)
+    proposal = drop_first(Proposal(drafts, None, packed=packed))
+    assert proposal.tokens == drafts[1:] and proposal.qs is None
+    assert proposal.packed == pack_q(qs[1:])
+    in_memory = drop_first(Proposal(drafts, qs))
+    assert in_memory.packed is None and len(in_memory.qs) == len(qs) - 1
+    assert all(a is b for a, b in zip(in_memory.qs, qs[1:], strict=True))
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
