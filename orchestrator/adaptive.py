@@ -43,8 +43,10 @@ step that is slower than modelled loses to the others.
 
 Estimates are exponentially weighted; the pool's acceptance rate starts from a
 prior that its first judged drafts only move. A request's acceptance rate is
-shrunk toward the pool's. While plain decoding wins, a step drafts one token
-once per 64 plain tokens of the pool anyway, so that the estimates stay current.
+shrunk toward the pool's (one pool rate for greedy requests, one for sampled:
+their acceptance differs). While plain decoding wins, a step drafts anyway once
+per 64 plain tokens of the pool, as many tokens as the model would draft if
+drafting paid, so that the estimates stay current.
 
 **Checked against plain decoding, as measured** (``PlainGuard``). A model can
 be wrong in ways no calibration sees: one request's speculation slows every
@@ -66,6 +68,10 @@ from specdec import metrics
 from specdec.sampling import expected_tokens_per_step
 
 _SMOOTH = 0.1  # weight of a new observation
+# Per step, in the pool's acceptance rate: a memory of ~30 steps (~100 judged drafts).
+# With 0.1 a few unlucky steps moved it by 0.1, enough to make plain decoding look
+# faster, and plain steps judge no drafts to correct it.
+_ALPHA_SMOOTH = 0.03
 _FORGET = 0.98  # per observation, in the line fits
 _PRIOR_TOKENS = 16.0  # judged drafts' worth of the pool's acceptance rate in a request's
 _EXPLORE_EVERY = 64  # plain tokens of the pool, then a step drafts anyway (fresh estimates)
@@ -248,7 +254,9 @@ class CostModel:
     """The pool-wide estimates (one per orchestrator)."""
 
     max_gamma: int = 16
-    alpha: _Ratio = field(default_factory=lambda: _Ratio(0.7, prior=True))
+    # The pool's acceptance rate, per sampling class (greedy requests accept less)
+    alpha: _Ratio = field(default_factory=lambda: _Ratio(0.7, _ALPHA_SMOOTH, prior=True))
+    alpha_greedy: _Ratio = field(default_factory=lambda: _Ratio(0.7, _ALPHA_SMOOTH, prior=True))
     # A forward pass's seconds as a line in the tokens it carries.
     target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
@@ -358,7 +366,7 @@ class CostModel:
         metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
 
     def explore(self) -> bool:
-        """Whether a step the model would decode plain should draft one token instead,
+        """Whether a step the model would decode plain should draft instead,
         to keep alpha and the costs of drafting current: once the pool (every request,
         and the check's plain epochs) has decoded ``_EXPLORE_EVERY`` plain tokens
         since its last drafting step. Counted for the pool, not per request: with
@@ -375,11 +383,16 @@ class CostModel:
             return 1.0
         return self.measured_s[kind].value / max(self.predicted_s[kind].value, 1e-9)
 
-    def observe_acceptance(self, judged: int, accepted: int) -> None:
+    def pool_alpha(self, greedy: bool) -> _Ratio:
+        """The pool's acceptance rate for greedy or sampled requests."""
+        return self.alpha_greedy if greedy else self.alpha
+
+    def observe_acceptance(self, judged: int, accepted: int, greedy: bool = False) -> None:
         """A step's judged drafts (accepted ones plus the first rejected one)."""
         if judged:
-            self.alpha.add(accepted, judged)
-            metrics.ESTIMATE.labels("alpha").set(self.alpha.value)
+            alpha = self.pool_alpha(greedy)
+            alpha.add(accepted, judged)
+            metrics.ESTIMATE.labels("alpha_greedy" if greedy else "alpha").set(alpha.value)
 
     # ---- the model ----------------------------------------------------------------------
     def draft_token_s(self) -> float:
@@ -440,12 +453,19 @@ class CostModel:
         return tokens / self.step_cost(gamma, alpha, overlap, run=run, match=match)
 
     def choose(
-        self, alpha: float, limit: int, allow_overlap: bool, run: int = 1, match: bool = False
+        self,
+        alpha: float,
+        limit: int,
+        allow_overlap: bool,
+        run: int = 1,
+        match: bool = False,
+        plain: bool = True,
     ) -> tuple[int, bool]:
         """The (gamma, overlap) with the highest expected rate, gamma <= limit; a plain
-        step would be a run of ``run`` tokens; ``match``: a greedy request (``rate``)."""
+        step would be a run of ``run`` tokens (``plain`` False: the best drafting
+        step); ``match``: a greedy request (``rate``)."""
         best = (0, False)
-        best_rate = self.rate(0, alpha, False, run)
+        best_rate = self.rate(0, alpha, False, run) if plain else 0.0
         for gamma in range(1, min(limit, self.max_gamma) + 1):
             for overlap in (False, True) if allow_overlap else (False,):
                 r = self.rate(gamma, alpha, overlap, match=match)
@@ -480,7 +500,7 @@ class RequestPolicy:
     @property
     def alpha(self) -> float:
         """This request's acceptance rate (accepted / judged), shrunk toward the pool's."""
-        prior = self.model.alpha.value
+        prior = self.model.pool_alpha(self.greedy).value
         return (self.accepted + _PRIOR_TOKENS * prior) / (self.judged + _PRIOR_TOKENS)
 
     def plain_now(self) -> bool:
@@ -498,9 +518,12 @@ class RequestPolicy:
         if self.arm == "plain":
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False
-        gamma, overlap = self.model.choose(self.alpha, limit, self.overlap, run, self.greedy)
+        alpha = self.alpha
+        gamma, overlap = self.model.choose(alpha, limit, self.overlap, run, self.greedy)
         if gamma == 0 and limit > 0 and self.model.explore():
-            gamma = 1  # keep alpha and the draft's costs current
+            # Keep alpha and the draft's costs current, with the draft that would be
+            # chosen if drafting paid: the drafts it judges are the evidence.
+            gamma, overlap = self.model.choose(alpha, limit, self.overlap, 1, self.greedy, False)
         metrics.CHOSEN_GAMMA.observe(gamma)
         return gamma, overlap
 
@@ -509,4 +532,4 @@ class RequestPolicy:
         judged = accepted + (accepted < drafted)
         self.judged += judged
         self.accepted += accepted
-        self.model.observe_acceptance(judged, accepted)
+        self.model.observe_acceptance(judged, accepted, self.greedy)

@@ -308,3 +308,25 @@ def test_a_plain_pool_of_short_requests_still_drafts_now_and_then():
             drafted += gamma > 0
             m.observe_step(gamma, False, policy.alpha, 0.01, run=1 if gamma else 8)
     assert 4 <= drafted <= 7, drafted  # about one in 64 plain tokens
+
+
+def test_a_few_unlucky_steps_do_not_pull_the_pool_to_plain_decoding():
+    """Measured on the demo pair, greedy: the pool's alpha, smoothed over ~10 steps,
+    fell from 0.70 to 0.58 over one request's bad start. Near 0.55 plain runs look
+    as fast as drafting, plain steps judge no drafts, and the pool drifted to 0.43
+    on exploring steps alone, every request decoding plain (0.83x of fixed gamma 4).
+    Over ~30 steps the same start moves it by 0.04."""
+    m = model()
+    for accepted, judged in [(1, 2), (0, 1), (1, 2), (2, 3)]:
+        m.observe_acceptance(judged, accepted, greedy=True)
+    assert 0.65 < m.pool_alpha(True).value < 0.7
+    assert m.pool_alpha(False).value == 0.7  # sampled requests keep their own
+
+
+def test_an_exploring_step_drafts_what_the_model_would_if_drafting_paid():
+    m = model(target_a=0.001, draft=0.05)  # drafting far too slow: the model goes plain
+    m.plain_tokens = 64
+    policy = RequestPolicy(m, gamma=None, overlap=True)
+    best = m.choose(policy.alpha, 8, True, plain=False)
+    assert best[0] >= 1 and policy.choose(8, run=8) == best
+    assert policy.choose(8, run=8) == (0, False)  # the next one decodes plain again
