@@ -218,7 +218,10 @@ def drop_first_q(pb: common_pb2.PackedQ) -> common_pb2.PackedQ:
 
     Each position's ids restart from 0 and its escapes follow in order of
     appearance, so the first position is its first ``sizes[0]`` bytes of each
-    byte string and as many escapes as those bytes hold 255s."""
+    byte string and as many escapes as those bytes hold 255s. A packing with no
+    position is passed on as it is: the target refuses it, naming the field."""
+    if not pb.sizes:
+        return pb
     n = pb.sizes[0]
     ids, counts = pb.id_deltas[:n], pb.counts[:n]
     return common_pb2.PackedQ(

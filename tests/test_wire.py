@@ -22,6 +22,7 @@ from specdec.sampling import (
     residual_distribution,
     sparse_q,
 )
+from specdec.v1 import common_pb2
 from specdec.wire import drop_first, pack_q, unpack_q
 
 from .stats import tv, tv_threshold
@@ -72,6 +73,8 @@ def test_dropping_the_first_position_in_wire_form_keeps_the_rest(data):
     in_memory = drop_first(Proposal(drafts, qs))
     assert in_memory.packed is None and len(in_memory.qs) == len(qs) - 1
     assert all(a is b for a, b in zip(in_memory.qs, qs[1:], strict=True))
+    broken = Proposal(drafts, None, packed=common_pb2.PackedQ(bits=bits))  # lists no q
+    assert drop_first(broken).packed == broken.packed  # for the target to refuse
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
