@@ -58,6 +58,23 @@ def test_same_seed_same_output_and_64_bit_seeds_differ(llama_pair, temperature):
         assert len({tuple(v[0]) for v in outs.values()}) == 3
 
 
+def _checked(draft, target):
+    """The in-process engine with the measured check against plain decoding on from
+    one request (its guard: ``system.orch.cost.guard(True, 1)``)."""
+    return in_process(draft, target, adaptive_plain_check=True, adaptive_plain_check_min_requests=1)
+
+
+def _after_record(guard, hook) -> None:
+    """Call ``hook(arm, tokens, seconds, concurrent)`` after each charge ``guard`` records."""
+    record = guard.record
+
+    def spy(arm: str, tokens: int, seconds: float, concurrent: int = 1) -> None:
+        record(arm, tokens, seconds, concurrent)
+        hook(arm, tokens, seconds, concurrent)
+
+    guard.record = spy
+
+
 def _count_draft_opens(system) -> list[int]:
     """Record the history length of every draft session opened from now on."""
     opened: list[int] = []
@@ -84,19 +101,15 @@ def test_adaptive_steps_are_charged_to_the_plain_check_and_stay_exact(llama_pair
     want = _reference(target, ids, 24)
 
     async def scenario():
-        async with in_process(
-            draft, target, adaptive_plain_check=True, adaptive_plain_check_min_requests=1
-        ) as system:
+        async with _checked(draft, target) as system:
             guard = system.orch.cost.guard(True, 1)  # one request at a time
             charged: list[tuple[str, int, float]] = []
-            record = guard.record
 
-            def spy(arm: str, tokens: int, seconds: float, concurrent: int = 1) -> None:
+            def charge(arm: str, tokens: int, seconds: float, concurrent: int) -> None:
                 charged.append((arm, tokens, seconds))
                 assert concurrent == 1  # one request at a time
-                record(arm, tokens, seconds, concurrent)
 
-            guard.record = spy
+            _after_record(guard, charge)
             opened = _count_draft_opens(system)
             for arm in ("model", "plain"):
                 guard.arm = arm
@@ -131,18 +144,14 @@ def test_a_request_that_starts_plain_opens_its_draft_when_it_first_drafts(llama_
     want = _reference(target, ids, 24)
 
     async def scenario():
-        async with in_process(
-            draft, target, adaptive_plain_check=True, adaptive_plain_check_min_requests=1
-        ) as system:
+        async with _checked(draft, target) as system:
             guard = system.orch.cost.guard(True, 1)
-            record = guard.record
 
-            def switch(arm: str, tokens: int, seconds: float, concurrent: int = 1) -> None:
-                record(arm, tokens, seconds, concurrent)
+            def switch(arm: str, tokens: int, seconds: float, concurrent: int) -> None:
                 if tokens:  # the first step is charged: the model's arm from now on
                     guard.arm = "model"
 
-            guard.record = switch
+            _after_record(guard, switch)
             guard.arm = "plain"
             # Under the model's arm, draft (whatever tiny models on a CPU would favour).
             monkeypatch.setattr(system.orch.cost, "choose", lambda *args, **kw: (2, False))
