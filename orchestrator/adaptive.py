@@ -514,7 +514,7 @@ class RequestPolicy:
         if self.gamma is not None:
             g = min(self.gamma, limit)
             return g, self.overlap and g > 0
-        self.arm = self.guard.arm if self.guard is not None else "model"
+        self.arm = "plain" if self.plain_now() else "model"
         if self.arm == "plain":
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False
