@@ -154,6 +154,7 @@ _TRIAL_EVERY_FAR = 12  # or in this many while it trails by more than _FAR
 _FAR = 0.08
 _SWITCH = 0.03  # the trailing arm takes the lead once it measures this much faster
 _EPOCH_SMOOTH = 0.3  # weight of an epoch in its arm's rate
+_LOAD_WINDOW_S = 1.0  # the check's load: the most requests at once in this many seconds
 ARMS = ("model", "plain")
 _OTHER = {"model": "plain", "plain": "model"}
 
@@ -472,6 +473,38 @@ class CostModel:
                 if r > best_rate * 1.0001:
                     best, best_rate = (gamma, overlap), r
         return best
+
+
+class PeakLoad:
+    """The load the check against plain decoding is keyed by: the most requests
+    generating at once in the last ``window_s`` seconds (about one), not the number
+    generating right now.
+
+    The number right now dips whenever a client is between two requests. At 16
+    clients it read 15 for a share of the steps: below the check's minimum of 16
+    requests, so those steps went to the model alone; at 32 clients the steps
+    alternated between the checks of 16-31 and 32-63 requests, each running its
+    own epochs, and a request moved between their arms from step to step. The
+    peak holds steady under a steady load and follows a real fall within the
+    window. Times are the caller's (``time.monotonic()``), so tests need no clock."""
+
+    def __init__(self, window_s: float = _LOAD_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._now = 0  # requests generating now
+        self._peak = 0
+        self._since = 0.0  # when the peak was last reached (or last reset)
+
+    def set(self, requests: int, now: float) -> None:
+        """``requests`` generate at once from ``now`` on."""
+        self._now = requests
+        if requests >= self._peak or now - self._since > self.window_s:
+            self._peak, self._since = requests, now
+
+    def value(self, now: float) -> int:
+        """The most requests generating at once in the window ending ``now``."""
+        if now - self._since > self.window_s:
+            self._peak, self._since = self._now, now
+        return self._peak
 
 
 def load_bucket(requests: int) -> int:

@@ -30,7 +30,7 @@ from specdec.runtime.loading import ModelInfo, load_tokenizer, tokenizer_fingerp
 from specdec.sampling import Proposal
 from specdec.wire import PROTOCOL_VERSION, WireShape, drop_first
 
-from .adaptive import CostModel, RequestPolicy
+from .adaptive import CostModel, PeakLoad, RequestPolicy
 from .monitor import ExactnessMonitor, emitted_terms
 from .replicas import ReplicaPool
 from .requests import RequestSpec
@@ -93,6 +93,7 @@ class Orchestrator:
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self._slots = asyncio.Semaphore(o.max_concurrent_requests)
         self.live = 0
+        self._load = PeakLoad()  # what the check against plain decoding sees (load())
         self.queued = 0
         self._background: set[asyncio.Task] = set()
         self.draining = False
@@ -227,6 +228,11 @@ class Orchestrator:
         """From now on, refuse new requests; running ones finish."""
         self.draining = True
 
+    def load(self) -> int:
+        """Requests generating at once, as the check against plain decoding counts
+        them: the most in about the last second (``adaptive.PeakLoad``)."""
+        return self._load.value(time.monotonic())
+
     def idle(self) -> bool:
         return self.live == 0 and self.queued == 0 and not self._background
 
@@ -267,6 +273,7 @@ class Orchestrator:
             self.queued -= 1
             metrics.QUEUED_REQUESTS.set(self.queued)
         self.live += 1
+        self._load.set(self.live, time.monotonic())
         metrics.LIVE_REQUESTS.set(self.live)
         # The loop runs as its own task and hands chunks over a queue: sending a
         # chunk to the client overlaps the next step's calls instead of delaying them.
@@ -284,6 +291,7 @@ class Orchestrator:
                 producer.cancel()
                 await asyncio.gather(producer, return_exceptions=True)
             self.live -= 1
+            self._load.set(self.live, time.monotonic())
             metrics.LIVE_REQUESTS.set(self.live)
             self._slots.release()
 
@@ -538,11 +546,11 @@ class Generation:
         def charge(until: float) -> None:
             if charged is not None:
                 guard, arm, tokens, since = charged
-                guard.record(arm, tokens, until - since, self.orch.live)
+                guard.record(arm, tokens, until - since, self.orch.load())
 
         try:
             opened = time.perf_counter()
-            guard = cost.guard(self.policy.greedy, self.orch.live) if checked else None
+            guard = cost.guard(self.policy.greedy, self.orch.load()) if checked else None
             self.policy.guard = guard
             arm = guard.arm if guard is not None else None
             await self.open()
@@ -552,7 +560,7 @@ class Generation:
                 began = time.perf_counter()
                 charge(began)
                 if checked:
-                    self.policy.guard = cost.guard(self.policy.greedy, self.orch.live)
+                    self.policy.guard = cost.guard(self.policy.greedy, self.orch.load())
                 new = await self.step()
                 guard = self.policy.guard
                 charged = (guard, self.policy.arm, len(new), began) if guard is not None else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.adaptive import CostModel, PlainGuard, RequestPolicy, load_bucket
+from orchestrator.adaptive import CostModel, PeakLoad, PlainGuard, RequestPolicy, load_bucket
 from specdec.sampling import expected_tokens_per_step
 
 
@@ -211,6 +211,34 @@ def test_each_load_has_its_own_check_and_a_new_load_starts_from_the_nearest():
         1, 1, 2, 2, 3, 3, 4, 5, 6, 6, 7, 7,
     ]  # fmt: skip
     assert cost.guard(True, 32).epochs == {"model": 0, "plain": 0}  # greedy: its own
+
+
+def test_the_checks_load_is_the_peak_so_a_client_between_requests_moves_no_step():
+    """16 clients, each sending its requests one after the other: for a moment after
+    each request one client is between two, and 15 generate. The check's load stays
+    16 (not below the minimum of 16, not another load's check); a real fall to 8
+    shows once the window has passed."""
+    cost = model()
+    cost.check_min_requests = 16
+    load = PeakLoad(window_s=1.0)
+    t, seen = 0.0, []
+    load.set(16, t)
+    for _ in range(400):  # 4 s: every 10 ms a request ends and the next starts 2 ms later
+        t += 0.008
+        load.set(15, t)
+        seen.append(load.value(t))
+        t += 0.002
+        load.set(16, t)
+        seen.append(load.value(t))
+    assert set(seen) == {16}
+    assert {cost.guard(False, n) is cost.guard(False, 16) for n in seen} == {True}
+    assert cost.guard(False, 15) is None  # what the number right now would have given
+    for _ in range(8):  # half the clients stop
+        load.set(load._now - 1, t)
+    assert load.value(t + 0.5) == 16  # within the window: the peak
+    assert load.value(t + 1.01) == 8  # after it: the load now
+    load.set(9, t + 1.2)
+    assert load.value(t + 1.3) == 9
 
 
 def test_a_drafts_cost_per_call_is_not_charged_per_token():
