@@ -116,12 +116,20 @@ def _rollback_error(runner: RaggedRunner, reference) -> float:
     return max(float((got - want).abs().max()) for got, want in pairs)
 
 
+# How exact a float64 forward is. Gemma 2's RMSNorm computes in float32 whatever the
+# model's dtype (``x.float()``), and float32 sums round differently for different
+# shapes on some CPUs: on an AVX-512 one the model's own forwards over 9 and over 40
+# tokens differ by 1.3e-6 at the same position. So for it the comparison is as exact
+# as float32 allows, still far below what a wrong window or soft-cap gives (> 1e-3).
+EXACT = {"gemma2": 1e-5}
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_rollback_then_extend_equals_a_fresh_forward(family_pair, kind):
     _, target = family_pair(kind)
     reference = load_model(str(target), dtype="float64")
     runner = RaggedRunner(load_model(str(target), dtype="float64"))
-    assert _rollback_error(runner, reference) <= 1e-10
+    assert _rollback_error(runner, reference) <= EXACT.get(kind, 1e-10)
 
 
 BROKEN = [
