@@ -501,7 +501,8 @@ class PeakLoad:
             self._peak, self._since = requests, now
 
     def value(self, now: float) -> int:
-        """The most requests generating at once in the window ending ``now``."""
+        """The peak, held for ``window_s`` after it was last reached; then the number
+        generating now (a fall shows within a window, a dip between requests never)."""
         if now - self._since > self.window_s:
             self._peak, self._since = self._now, now
         return self._peak
