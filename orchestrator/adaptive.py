@@ -490,21 +490,20 @@ class PeakLoad:
 
     def __init__(self, window_s: float = _LOAD_WINDOW_S) -> None:
         self.window_s = window_s
-        self._now = 0  # requests generating now
         self._peak = 0
         self._since = 0.0  # when the peak was last reached (or last reset)
 
     def set(self, requests: int, now: float) -> None:
         """``requests`` generate at once from ``now`` on."""
-        self._now = requests
         if requests >= self._peak or now - self._since > self.window_s:
             self._peak, self._since = requests, now
 
-    def value(self, now: float) -> int:
-        """The peak, held for ``window_s`` after it was last reached; then the number
-        generating now (a fall shows within a window, a dip between requests never)."""
+    def value(self, requests: int, now: float) -> int:
+        """The peak, held for ``window_s`` after it was last reached; then
+        ``requests``, the number generating now (a fall shows within a window, a dip
+        between requests never). The caller owns that number; this keeps no copy."""
         if now - self._since > self.window_s:
-            self._peak, self._since = self._now, now
+            self._peak, self._since = requests, now
         return self._peak
 
 

@@ -231,7 +231,7 @@ class Orchestrator:
     def load(self) -> int:
         """Requests generating at once, as the check against plain decoding counts
         them: the most in about the last second (``adaptive.PeakLoad``)."""
-        return self._load.value(time.monotonic())
+        return self._load.value(self.live, time.monotonic())
 
     def idle(self) -> bool:
         return self.live == 0 and self.queued == 0 and not self._background

@@ -226,19 +226,19 @@ def test_the_checks_load_is_the_peak_so_a_client_between_requests_moves_no_step(
     for _ in range(400):  # 4 s: every 10 ms a request ends and the next starts 2 ms later
         t += 0.008
         load.set(15, t)
-        seen.append(load.value(t))
+        seen.append(load.value(15, t))
         t += 0.002
         load.set(16, t)
-        seen.append(load.value(t))
+        seen.append(load.value(16, t))
     assert set(seen) == {16}
     assert {cost.guard(False, n) is cost.guard(False, 16) for n in seen} == {True}
     assert cost.guard(False, 15) is None  # what the number right now would have given
-    for _ in range(8):  # half the clients stop
-        load.set(load._now - 1, t)
-    assert load.value(t + 0.5) == 16  # within the window: the peak
-    assert load.value(t + 1.01) == 8  # after it: the load now
+    for n in range(15, 7, -1):  # half the clients stop
+        load.set(n, t)
+    assert load.value(8, t + 0.5) == 16  # within the window: the peak
+    assert load.value(8, t + 1.01) == 8  # after it: the load now
     load.set(9, t + 1.2)
-    assert load.value(t + 1.3) == 9
+    assert load.value(9, t + 1.3) == 9
 
 
 def test_a_drafts_cost_per_call_is_not_charged_per_token():
