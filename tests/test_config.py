@@ -16,6 +16,14 @@ def test_default_config_loads_and_points_at_the_demo_pair():
     assert cfg.orchestrator.gamma <= cfg.orchestrator.max_gamma
 
 
+def test_the_local_config_gives_each_model_service_one_thread():
+    """configs/default.yaml runs all the services on one machine: a second target
+    thread waits for the core the draft holds, and speculation under concurrent load
+    lost a third of its tokens/s that way (docs/benchmarks.md, "Threads under load")."""
+    cfg = load_config(env={})
+    assert (cfg.draft.torch_threads, cfg.target.torch_threads) == (1, 1)
+
+
 @pytest.mark.parametrize(
     "raw,key",
     [
