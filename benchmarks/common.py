@@ -210,6 +210,19 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
+    def stream(self, prompt: str | list[int], max_new_tokens: int, **fields) -> Iterator[int]:
+        """One Generate: the number of tokens in each chunk, as the chunk arrives.
+        ``fields`` as for ``generate``."""
+        fields = {k: v for k, v in fields.items() if v is not None}
+        req = orchestrator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **fields)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        for msg in self.stub.Generate(req, timeout=600):
+            if msg.HasField("chunk"):
+                yield len(msg.chunk.token_ids)
+
     def generate(self, prompt: str | list[int], max_new_tokens: int, **fields) -> dict:
         """One Generate. ``fields``: GenerateRequest fields (temperature, gamma, overlap,
         seed, dense, ...); a gamma or seed of None is left unset."""

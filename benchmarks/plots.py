@@ -134,6 +134,9 @@ def concurrency_plot(r: dict, out: Path) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, color in (("plain", "black"), ("adaptive", "tab:green"), ("seq4", "tab:blue")):
         axes[0].plot(ns, [conc[str(n)][mode]["tok_s"] for n in ns], "o-", color=color, label=mode)
+        if "sustained_tok_s" in conc[str(ns[0])][mode]:
+            held = [conc[str(n)][mode]["sustained_tok_s"] for n in ns]
+            axes[0].plot(ns, held, "s--", color=color, alpha=0.6, label=f"{mode}, sustained")
         axes[1].plot(ns, [conc[str(n)][mode]["p50_latency_s"] for n in ns], "o-", color=color,
                      label=mode)  # fmt: skip
     axes[0].set_ylabel("aggregate tokens/s")

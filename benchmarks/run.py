@@ -21,7 +21,9 @@ spell of the machine hits all of them alike. Sections, in order:
 5. ``inprocess``: the engine with draft and target in one process (no network),
    the reference for what the network and gRPC cost.
 6. ``rtt``: added network round-trip time through the delay proxy (pinned).
-7. ``concurrency``: 1-32 clients at once: plain batched decoding and specdec.
+7. ``concurrency``: 1-32 clients at once: plain batched decoding and specdec, in
+   rounds (each client sends its requests, the round ends with the slowest) and
+   sustained (back to back; tokens streamed inside a window).
 8. ``wire``: bytes on the wire per token and acceptance by q's shape, the shapes'
    rounds interleaved; a tiny random model with a 151,936-token vocabulary.
 9. ``settings``: the thread and affinity settings tried, and their effect.
@@ -94,6 +96,8 @@ class Plan:
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     concurrency_requests: int = 2
     concurrency_repeats: int = 2
+    sustained_warm_s: float = 2.0  # per sustained round: not counted, then the window
+    sustained_window_s: float = 5.0
     wire_ks: list[int] = field(default_factory=lambda: [64, 256, 1024])
     analyze_tokens: int = 64
     analyze_rounds: int = 5
@@ -118,6 +122,8 @@ class Plan:
             concurrency=[1, 4],
             concurrency_requests=1,
             concurrency_repeats=1,
+            sustained_warm_s=0.5,
+            sustained_window_s=1.0,
             wire_ks=[64],
             analyze_tokens=12,
             analyze_rounds=1,
@@ -426,6 +432,46 @@ def clients_round(
     return tokens / (time.perf_counter() - t0), latencies
 
 
+def sustained_round(
+    address: str,
+    n: int,
+    fields: dict,
+    prompts,
+    max_new_tokens: int,
+    warm_s: float,
+    window_s: float,
+    r: int,
+) -> float:
+    """n clients sending requests back to back for warm_s + window_s seconds (each
+    finishes the request it is in): tokens streamed inside the window per second.
+    Seeded per round, client and request unless ``fields`` has a seed."""
+    start = time.perf_counter() + 0.2  # every client's channel is up by then
+    lo, hi = start + warm_s, start + warm_s + window_s
+    counted = [0] * n
+
+    def client(i: int) -> None:
+        c = Client(address)
+        while time.perf_counter() < start:
+            time.sleep(0.001)
+        k = 0
+        while time.perf_counter() < hi:
+            f = dict(fields)
+            if "seed" not in f:
+                f["seed"] = 1_000_000 * r + 1000 * i + k
+            for tokens in c.stream(prompts[(i + k) % len(prompts)], max_new_tokens, **f):
+                if lo <= time.perf_counter() < hi:
+                    counted[i] += tokens
+            k += 1
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counted) / window_s
+
+
 def concurrency_section(stack, plan: Plan) -> dict:
     address = stack.orchestrator_address
     modes = {
@@ -445,15 +491,39 @@ def concurrency_section(stack, plan: Plan) -> dict:
             )  # fmt: skip
             agg[mode].append(tok_s)
             lat[mode].append(median(latencies))
+        # The same modes under sustained load: back to back, counted in a window
+        # (no round waiting for its slowest client; benchmarks.sustained).
+        held: dict[str, list[float]] = {m: [] for m in names}
+        for r, mode in rotated_rounds(names, plan.concurrency_repeats):
+            held[mode].append(
+                sustained_round(
+                    address,
+                    n,
+                    modes[mode],
+                    plan.prompts,
+                    plan.max_new_tokens,
+                    plan.sustained_warm_s,
+                    plan.sustained_window_s,
+                    r,
+                )  # fmt: skip
+            )
         row = {
-            m: {"tok_s": median(agg[m]), "p50_latency_s": median(lat[m]), "runs": agg[m]}
+            m: {
+                "tok_s": median(agg[m]),
+                "p50_latency_s": median(lat[m]),
+                "runs": agg[m],
+                "sustained_tok_s": median(held[m]),
+                "sustained_runs": held[m],
+            }
             for m in names
         }
         out[str(n)] = row
         log(
             f"  {n} clients: "
             + ", ".join(
-                f"{m} {v['tok_s']:.0f} tok/s p50 {v['p50_latency_s']:.2f} s" for m, v in row.items()
+                f"{m} {v['tok_s']:.0f} tok/s p50 {v['p50_latency_s']:.2f} s"
+                f" (sustained {v['sustained_tok_s']:.0f})"
+                for m, v in row.items()
             )
         )
     return out

@@ -22,17 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
-
-import grpc
-
-from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, rotated_rounds
 from .common import start_services as _start
 from .plain_runs import side_by_side_header
+from .run import sustained_round
 
 MODES = {
     "plain": {"temperature": 1.0, "gamma": 0},
@@ -40,42 +36,6 @@ MODES = {
     "seq4": {"temperature": 1.0, "gamma": 4, "overlap": False},
 }
 MAX_NEW = 64
-
-
-def sustained_round(
-    address: str, n: int, fields: dict, warm_s: float, window_s: float, r: int
-) -> float:
-    """n clients sending requests back to back for warm_s + window_s seconds (each
-    finishes the request it is in): tokens streamed inside the window per second.
-    Seeded per round, client and request unless ``fields`` has a seed."""
-    start = time.perf_counter() + 0.2  # every client's channel is up by then
-    lo, hi = start + warm_s, start + warm_s + window_s
-    counted = [0] * n
-
-    def client(i: int) -> None:
-        with grpc.insecure_channel(address) as channel:
-            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-            while time.perf_counter() < start:
-                time.sleep(0.001)
-            k = 0
-            while time.perf_counter() < hi:
-                f = {key: v for key, v in fields.items() if v is not None}
-                if "seed" not in fields:
-                    f["seed"] = 1_000_000 * r + 1000 * i + k
-                req = orchestrator_pb2.GenerateRequest(
-                    max_new_tokens=MAX_NEW, text=PROMPTS[(i + k) % len(PROMPTS)], **f
-                )
-                for msg in stub.Generate(req, timeout=600):
-                    if msg.HasField("chunk") and lo <= time.perf_counter() < hi:
-                        counted[i] += len(msg.chunk.token_ids)
-                k += 1
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counted) / window_s
 
 
 def measure(args, threads: int, out: Path) -> dict[str, dict[str, list[float]]]:
@@ -87,12 +47,14 @@ def measure(args, threads: int, out: Path) -> dict[str, dict[str, list[float]]]:
     rates: dict[str, dict[str, list[float]]] = {}
     try:
         address = stack.orchestrator_address
-        sustained_round(address, 4, MODES["adaptive"], 1.0, 1.0, 99)  # warm every path
+        sustained_round(address, 4, MODES["adaptive"], PROMPTS, MAX_NEW, 1.0, 1.0, 99)  # warm
         for n in args.clients:
             row: dict[str, list[float]] = {m: [] for m in MODES}
             for r, mode in rotated_rounds(list(MODES), args.repeats):
                 row[mode].append(
-                    sustained_round(address, n, MODES[mode], args.warm, args.window, r)
+                    sustained_round(
+                        address, n, MODES[mode], PROMPTS, MAX_NEW, args.warm, args.window, r
+                    )
                 )
             rates[str(n)] = row
             med = {m: statistics.median(v) for m, v in row.items()}

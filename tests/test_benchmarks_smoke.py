@@ -68,6 +68,7 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
         assert point["rows"]["adaptive@1"]["tok_s"] > 0
     for row in results["concurrency"].values():
         assert row["plain"]["tok_s"] > 0 and row["adaptive"]["tok_s"] > 0
+        assert row["plain"]["sustained_tok_s"] > 0 and row["adaptive"]["sustained_tok_s"] > 0
     wire = results["wire"]["top64"]["rows"]
     assert wire["dense"]["wire_bytes_per_token"] > wire["spec"]["wire_bytes_per_token"] > 0
     assert results["wire_large_vocab"]["rows"]
