@@ -210,28 +210,28 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int, **fields) -> Iterator[int]:
-        """One Generate: the number of tokens in each chunk, as the chunk arrives.
-        ``fields`` as for ``generate``."""
+    @staticmethod
+    def _request(prompt: str | list[int], max_new_tokens: int, fields: dict):
+        """A GenerateRequest; a field given as None is left unset."""
         fields = {k: v for k, v in fields.items() if v is not None}
         req = orchestrator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **fields)
         if isinstance(prompt, str):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
-        for msg in self.stub.Generate(req, timeout=600):
+        return req
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int, **fields) -> Iterator[int]:
+        """One Generate: the number of tokens in each chunk, as the chunk arrives.
+        ``fields`` as for ``generate``."""
+        for msg in self.stub.Generate(self._request(prompt, max_new_tokens, fields), timeout=600):
             if msg.HasField("chunk"):
                 yield len(msg.chunk.token_ids)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int, **fields) -> dict:
         """One Generate. ``fields``: GenerateRequest fields (temperature, gamma, overlap,
         seed, dense, ...); a gamma or seed of None is left unset."""
-        fields = {k: v for k, v in fields.items() if v is not None}
-        req = orchestrator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **fields)
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
+        req = self._request(prompt, max_new_tokens, fields)
         t0 = time.perf_counter()
         tokens, stats = 0, None
         for msg in self.stub.Generate(req, timeout=600):
