@@ -148,6 +148,25 @@ def test_step_math_writes_results(tmp_path):
     assert len(rows) == 6 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)
 
 
+def test_sustained_writes_results(tmp_path):
+    """``benchmarks.sustained`` on the demo pair, one client and one thread setting:
+    every mode streamed tokens inside its window, and the report and plot exist."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sustained", "--clients", "1", "--threads", "1",
+         "--warm", "0.2", "--window", "0.5", "--repeats", "1", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    median = json.loads((tmp_path / "results.json").read_text())["median"]
+    assert set(median["1"]["1"]) == {"plain", "adaptive", "seq4"}
+    assert all(v > 0 for v in median["1"]["1"].values())
+    assert "| 1 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "sustained.png").stat().st_size > 0
+
+
 def test_pinning_a_service_pins_every_thread_it_has():
     """Emulating separate machines pins each service's threads, not only its main
     one (gRPC's threads carry every message)."""
