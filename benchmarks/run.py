@@ -472,13 +472,17 @@ def sustained_round(
     return sum(counted) / window_s
 
 
+# The modes compared under concurrent load (T=1): here and in benchmarks.sustained.
+CONCURRENCY_MODES = {
+    "plain": {"temperature": 1.0, "gamma": 0},
+    "adaptive": {"temperature": 1.0, "gamma": None, "seed": None},
+    "seq4": {"temperature": 1.0, "gamma": 4, "overlap": False},
+}
+
+
 def concurrency_section(stack, plan: Plan) -> dict:
     address = stack.orchestrator_address
-    modes = {
-        "plain": {"temperature": 1.0, "gamma": 0},
-        "adaptive": {"temperature": 1.0, "gamma": None, "seed": None},
-        "seq4": {"temperature": 1.0, "gamma": 4, "overlap": False},
-    }
+    modes = CONCURRENCY_MODES
     out = {}
     names = list(modes)
     for n in plan.concurrency:

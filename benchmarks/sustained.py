@@ -28,13 +28,9 @@ from pathlib import Path
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, rotated_rounds
 from .common import start_services as _start
 from .plain_runs import side_by_side_header
+from .run import CONCURRENCY_MODES as MODES
 from .run import sustained_round
 
-MODES = {
-    "plain": {"temperature": 1.0, "gamma": 0},
-    "adaptive": {"temperature": 1.0, "gamma": None, "seed": None},
-    "seq4": {"temperature": 1.0, "gamma": 4, "overlap": False},
-}
 MAX_NEW = 64
 
 

@@ -24,20 +24,29 @@ from specdec.local.stack import pin_process
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_quick_run_writes_results(tmp_path, llama_pair):
-    draft, target = llama_pair
-    out = tmp_path / "results"
+def _run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the repository; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--draft", str(draft),
-         "--target", str(target), "--out", str(out), "--max-new-tokens", "6",
-         # every section but the thread settings (more stacks of the same code, 25 s)
-         "--sections", "analysis,hf,services,pinned,inprocess,rtt,concurrency,wire"],
+        [sys.executable, "-m", module, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_quick_run_writes_results(tmp_path, llama_pair):
+    draft, target = llama_pair
+    out = tmp_path / "results"
+    proc = _run_module(
+        "benchmarks.run", "--quick", "--draft", str(draft),
+        "--target", str(target), "--out", str(out), "--max-new-tokens", "6",
+        # every section but the thread settings (more stacks of the same code, 25 s)
+        "--sections", "analysis,hf,services,pinned,inprocess,rtt,concurrency,wire",
         timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "criteria:" in proc.stdout
 
     results = json.loads((out / "results.json").read_text())
@@ -133,15 +142,10 @@ def test_delay_proxy_forwards_and_delays():
 
 
 def test_step_math_writes_results(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",
-         "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    _run_module(
+        "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",
+        "--out", str(tmp_path), timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     # per vocabulary: greedy once, then each wire top-k at T=1
     assert [(r["temperature"], r["wire_top_k"]) for r in rows[:3]] == [(0, 16), (1, 16), (1, 64)]
@@ -151,15 +155,11 @@ def test_step_math_writes_results(tmp_path):
 def test_sustained_writes_results(tmp_path):
     """``benchmarks.sustained`` on the demo pair, one client and one thread setting:
     every mode streamed tokens inside its window, and the report and plot exist."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sustained", "--clients", "1", "--threads", "1",
-         "--warm", "0.2", "--window", "0.5", "--repeats", "1", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    _run_module(
+        "benchmarks.sustained", "--clients", "1", "--threads", "1",
+        "--warm", "0.2", "--window", "0.5", "--repeats", "1", "--out", str(tmp_path),
         timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     median = json.loads((tmp_path / "results.json").read_text())["median"]
     assert set(median["1"]["1"]) == {"plain", "adaptive", "seq4"}
     assert all(v > 0 for v in median["1"]["1"].values())
