@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
+from specdec.transport.relay import RelayClient
 from specdec.transport.server import RunningServer, start_server
 from specdec.transport.session_stream import session_stream
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from specdec.wire import DEFAULT_Q_BITS, WireShape, info_to_pb, pack_q, params_from_pb
 
 from .drafter import Drafter
@@ -17,6 +18,17 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, svc: Drafter) -> None:
         self.svc = svc
+        self.relay: RelayClient | None = None  # made on the first relayed propose
+
+    def relay_client(self) -> RelayClient:
+        if self.relay is None:
+            cfg = self.svc.cfg
+            self.relay = RelayClient(cfg.relay_tls, 16 * 1024 * 1024, cfg.relay_ack_timeout_s)
+        return self.relay
+
+    async def aclose(self) -> None:
+        if self.relay is not None:
+            await self.relay.aclose()
 
     async def Session(self, requests, context):
         async for reply in session_stream(
@@ -37,16 +49,26 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             proposal = await self.svc.propose(
                 session, p.cache_len, p.append_tokens, p.gamma, p.seed
             )
-            return draft_pb2.DraftReply(
-                proposal=draft_pb2.Proposal(
-                    tokens=proposal.tokens,
-                    q=pack_q(proposal.qs),
-                    cache_len=proposal.cache_len,
-                    compute_s=proposal.compute_s,
-                    forward_s=proposal.forward_s,
-                    batch_tokens=proposal.batch_tokens,
-                )
+            out = draft_pb2.Proposal(
+                tokens=proposal.tokens,
+                cache_len=proposal.cache_len,
+                compute_s=proposal.compute_s,
+                forward_s=proposal.forward_s,
+                batch_tokens=proposal.batch_tokens,
             )
+            q = pack_q(proposal.qs)
+            if p.HasField("relay") and p.relay.target:
+                # Straight to the target; q comes back here only if the relay fails.
+                verify = target_pb2.Verify()
+                verify.CopyFrom(p.relay.verify)
+                verify.draft_tokens[:] = proposal.tokens
+                verify.draft_q.CopyFrom(q)
+                out.relayed, out.relay_bytes = await self.relay_client().send(
+                    p.relay.target, p.relay.relay_token, verify
+                )
+            if not out.relayed:
+                out.q.CopyFrom(q)
+            return draft_pb2.DraftReply(proposal=out)
         if kind == "rollback":
             removed = self.svc.rollback(session, m.rollback.cache_len)
             return draft_pb2.DraftReply(
@@ -64,8 +86,10 @@ async def serve(
     """Load the draft model and start its server; returns (server, domain)."""
     svc = Drafter(cfg, model, tokenizer)
     svc.start()
+    servicer = DraftServicer(svc)
+    svc.on_close(servicer.aclose)
     running = await start_server(
-        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(svc), s),
+        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],
         cfg.host,
         cfg.port,

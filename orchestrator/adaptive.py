@@ -326,9 +326,12 @@ class CostModel:
         forward_s: float,
         batch_tokens: int,
         passes: int = 1,
+        rtt: bool = True,
     ) -> None:
         """A verify (``passes`` > 1: a plain run of that many passes; forward_s and
-        compute_s are the run's, batch_tokens the mean of its passes)."""
+        compute_s are the run's, batch_tokens the mean of its passes). ``rtt`` False:
+        ``wall_s`` does not span the round trip (a relayed verify), so only the
+        compute is learnt."""
         if compute_s <= 0:
             return
         own = gamma + 1
@@ -339,7 +342,8 @@ class CostModel:
                 self.plain_pass_s.add(forward_s / passes)
             self.target_sessions.add(max(1.0, batch_tokens / own))
         self.target_extra_s.add(max(0.0, compute_s - forward_s) / passes)
-        self.rtt_target_s.add(max(0.0, wall_s - compute_s))
+        if rtt:
+            self.rtt_target_s.add(max(0.0, wall_s - compute_s))
         metrics.ESTIMATE.labels("rtt_target_seconds").set(self.rtt_target_s.value)
         metrics.ESTIMATE.labels("verify_seconds_gamma0").set(self.verify_cost(0))
         metrics.ESTIMATE.labels("plain_pass_seconds").set(self.plain_pass_cost())

@@ -299,6 +299,13 @@ class Orchestrator:
 _END = object()
 
 
+def fallback_seed(seed: int) -> int:
+    """The seed of a verify sent after a relay with ``seed`` went unconfirmed: never
+    that seed (its verdict may still come, and is told apart by its seed), and a
+    function of it, so that a request's output still depends only on its own seed."""
+    return (seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64) or 1
+
+
 async def _produce(items: AsyncIterator, queue: asyncio.Queue) -> None:
     """Put every item of ``items`` on ``queue``, then _END (or the exception)."""
     try:
@@ -394,13 +401,27 @@ class Generation:
         drafted_now = proposal is None
         overlap = False
         plain_run = self.plain_run(remaining)  # tokens of this step if it is plain
+        pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
+        relayed = False
         if proposal is None:
             gamma, overlap = self.policy.choose(remaining - 1, plain_run)
             if gamma and self.draft is not None:
                 if not self.draft.prefilled:  # started plain: open the draft now
                     await self.draft.prefill()
                     t0 = time.perf_counter()  # a one-off, not this step's cost
-                proposal = await self.draft.propose(gamma, draft_seed)
+                # The draft sends the proposal straight to the target when it can.
+                relay = None
+                if self.o.relay and not self.spec.dense:
+                    relay = self.target.relay_to(target_seed, pit)
+                proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
+                relayed = proposal is not None and proposal.relayed
+                if relay is not None:
+                    metrics.RELAYED_STEPS.labels("relayed" if relayed else "not_relayed").inc()
+                    if not relayed:
+                        # The target may have it, or still get it: it must refuse it, and
+                        # its verdict must not pass for this step's (a seed of its own).
+                        self.target.cancel_relay(target_seed)
+                        target_seed = fallback_seed(target_seed)
         else:  # drafted during the last verify; keep drafting ahead if it pays
             overlap = self.policy.choose(remaining - 1)[1]
         drafts = proposal.tokens if proposal is not None else []
@@ -419,7 +440,6 @@ class Generation:
                     self.draft.propose(next_gamma + match, ahead_seed, ahead=cursor)
                 )
         run = 1 if drafts else plain_run
-        pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
         try:
             verdict = await self.target.verify(proposal, target_seed, self.spec.dense, pit, run)
         except BaseException:
@@ -427,6 +447,8 @@ class Generation:
                 ahead_task.cancel()
             raise
         t2 = time.perf_counter()
+        if verdict.drafts_dropped:  # a relayed proposal lost with its target: a plain step
+            proposal, drafts, relayed = None, [], False
         u = self.rng.random(len(drafts)).tolist()
         next_proposal = await ahead_task if ahead_task is not None else None
         outcome = settle(
@@ -459,7 +481,7 @@ class Generation:
             if self.draft is not None:
                 await self.draft.rollback()
         t4 = time.perf_counter()
-        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1)
+        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1, relayed)
         self.orch.cost.observe_step(
             len(drafts),
             ahead_task is not None,
@@ -481,10 +503,14 @@ class Generation:
             return 1
         return max(1, min(remaining, self.o.plain_run_tokens, self.pushed + 1))
 
-    def observe(self, drafted, verdict, t_propose: float, t_verify: float) -> None:
+    def observe(
+        self, drafted, verdict, t_propose: float, t_verify: float, relayed: bool = False
+    ) -> None:
         """Feed the cost model with this step's measured times. ``drafted``: the
         proposal drafted in this step (None when it was drafted during the last
-        verify, whose time overlapped)."""
+        verify, whose time overlapped). ``relayed``: the verify started at the target
+        before the proposal's reply came back here, so ``t_verify`` says nothing of
+        the target's round trip (the step's calibration still sees the whole)."""
         cost = self.orch.cost
         self.stats.target_forward_s += verdict.forward_s
         if drafted is not None:
@@ -503,6 +529,7 @@ class Generation:
             verdict.forward_s,
             verdict.batch_tokens,
             passes=1 + len(verdict.run_tokens),
+            rtt=not relayed,
         )
 
     def record_step(

@@ -34,7 +34,7 @@ from specdec.errors import (
 from specdec.sampling import Proposal, SamplingParams, Verdict
 from specdec.wire import WireShape
 
-from .ports import WireCounter
+from .ports import RelayTo, WireCounter
 from .replicas import Replica, ReplicaPool
 from .step import Cursor
 
@@ -152,8 +152,15 @@ class DraftLink(_Link):
         except SpecdecError as e:
             self._failed(e)
 
-    async def propose(self, gamma: int, seed: int, ahead: Cursor | None = None) -> Proposal | None:
+    async def propose(
+        self,
+        gamma: int,
+        seed: int,
+        ahead: Cursor | None = None,
+        relay: RelayTo | None = None,
+    ) -> Proposal | None:
         """A draft of gamma tokens from ``self.cursor``, or None (this step falls back).
+        ``relay``: the draft also sends it on to the target (``Proposal.relayed``).
 
         ``ahead``: draft from this cursor instead (drafting on while the target
         verifies, as if every pending draft will be accepted). Such a draft is only
@@ -186,7 +193,7 @@ class DraftLink(_Link):
                 if self.session is None:
                     await self._open()
                 proposal = await self.session.propose(
-                    self.cursor, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
+                    self.cursor, gamma, seed, self.budget.left(self.budget.draft_timeout_s), relay
                 )
                 self._succeeded()
                 return proposal
@@ -273,6 +280,18 @@ class TargetLink(_Link):
             self.model = replica.info.model_fingerprint
             return
 
+    def relay_to(self, seed: int, pit: bool) -> RelayTo | None:
+        """Where a draft may send this step's proposal straight on (None: the session
+        takes no relays, or there is none yet)."""
+        if self.session is None or not self.session.relay_token:
+            return None
+        return RelayTo(self.replica.address, self.session.relay_token, self.cursor, seed, pit)
+
+    def cancel_relay(self, seed: int) -> None:
+        """The relayed verify with this seed was not confirmed: never to be run."""
+        if self.session is not None:
+            self.session.cancel_relay(seed)
+
     async def verify(
         self,
         proposal: Proposal | None,
@@ -282,9 +301,12 @@ class TargetLink(_Link):
         run: int = 1,
     ) -> Verdict:
         """The verdict on ``proposal`` from ``self.cursor`` (or a plain run of ``run``
-        tokens), riding out restarts."""
+        tokens), riding out restarts. A relayed proposal's q went to the target
+        only: if that target fails before its verdict, the step decodes plain on the
+        session that replaces it (``Verdict.drafts_dropped``)."""
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
+        dropped = False
         while True:
             try:
                 if self.session is None:
@@ -299,6 +321,7 @@ class TargetLink(_Link):
                     run,
                 )
                 self.replica.breaker.success()
+                verdict.drafts_dropped = dropped
                 return verdict
             except SessionLost as e:
                 log.warning("target lost session %s (%s): re-prefilling", self.session_id, e)
@@ -327,6 +350,9 @@ class TargetLink(_Link):
                     self.pin(other)
             except (InvalidArgument, Internal):
                 raise  # this request's own failure: no retry, no breaker
+            if proposal is not None and proposal.relayed:
+                proposal, run, dropped = None, 1, True
+                metrics.RELAYED_STEPS.labels("lost").inc()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 

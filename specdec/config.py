@@ -85,6 +85,12 @@ class ModelServiceConfig:
     # and nothing else, which under load takes longer than batch_wait_ms.
     decode_batch_wait_ms: float = 8.0
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Draft only: client TLS towards the targets it relays proposals to (the
+    # orchestrator's upstream_tls, as this service's client), and how long a
+    # relayed verify may wait for the target's ack before the proposal goes back
+    # to the orchestrator instead (specdec/transport/relay.py).
+    relay_tls: TlsConfig = field(default_factory=TlsConfig)
+    relay_ack_timeout_s: float = 0.25
 
 
 @dataclass
@@ -154,6 +160,10 @@ class OrchestratorConfig:
     # Trim both caches with explicit Rollback RPCs after every step instead of
     # letting the rollback ride in the next Propose/Verify (one more round trip).
     explicit_rollback: bool = False
+    # Ask the draft to send each sequential step's proposal straight to the
+    # target (relay): one message and one wake-up of the orchestrator fewer per
+    # step. Needs the draft to reach the target replicas at the addresses above.
+    relay: bool = True
     # Tokenizer for text prompts; empty uses the target's model directory.
     tokenizer: str = ""
     # Seconds to wait at start-up for draft and target to answer Info.

@@ -155,6 +155,14 @@ OVERLAPPED_STEPS = Counter(
     ["outcome"],
     registry=None,
 )
+RELAYED_STEPS = Counter(
+    "specdec_relayed_steps_total",
+    "Sequential steps whose proposal the draft was asked to send straight to the target: "
+    "relayed (the target took it), not_relayed (the proposal came back instead), or "
+    "lost (the target failed before its verdict; the step decoded plain).",
+    ["outcome"],
+    registry=None,
+)
 PIT_CHI2 = Gauge(
     "specdec_exactness_pit_chi2",
     "Live exactness monitor: chi-square (15 df) of the randomized PIT values of sampled "
@@ -315,6 +323,7 @@ _ORCHESTRATOR_METRICS = (
     MEASURED_RATE,
     ARM_EPOCHS,
     OVERLAPPED_STEPS,
+    RELAYED_STEPS,
     PIT_CHI2,
     PIT_WINDOW,
     PIT_TOKENS,

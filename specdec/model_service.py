@@ -9,6 +9,7 @@ domain values; the servicers convert protobuf at the edge (``specdec.wire``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import specdec
@@ -43,6 +44,7 @@ class ModelService:
         self.role = role
         self.cfg = cfg
         self.draining = False
+        self._closers: list[Callable[[], Awaitable[None]]] = []
         set_threads(cfg.torch_threads)
         self.model = model
         if model is None:
@@ -108,7 +110,13 @@ class ModelService:
     def idle(self) -> bool:
         return len(self.sessions) == 0
 
+    def on_close(self, close: Callable[[], Awaitable[None]]) -> None:
+        """Also run ``close`` when the service closes (its edge's client channels)."""
+        self._closers.append(close)
+
     async def aclose(self) -> None:
+        for close in self._closers:
+            await close()
         self.sessions.clear()
         await self.loop.aclose()
 

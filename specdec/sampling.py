@@ -326,6 +326,10 @@ class Proposal:
     compute_s: float = 0.0  # seconds the draft service spent on it
     forward_s: float = 0.0  # of which in the gamma forward passes
     batch_tokens: float = 0.0  # mean tokens those passes carried, all sessions together
+    # The draft sent it straight to the target (relay): the verdict comes on the
+    # target session without a verify from here, and q is not at hand.
+    relayed: bool = False
+    relay_bytes: int = 0  # what that relay put on the wire
 
 
 @dataclass
@@ -349,6 +353,9 @@ class Verdict:
     # A plain run (no drafts): the tokens drawn after the bonus, each from p after the
     # one before it (their PIT terms, when asked, follow the bonus's).
     run_tokens: list[int] = field(default_factory=list)
+    # A relayed verify was lost with its target replica, so this is a plain step's
+    # verdict instead: the drafts were never judged (``orchestrator.resilience``).
+    drafts_dropped: bool = False
 
 
 def verify_draft(

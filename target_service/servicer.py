@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
+from specdec.transport.relay import RelayInboxes
 from specdec.transport.server import RunningServer, start_server
 from specdec.transport.session_stream import session_stream
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -17,12 +20,23 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, svc: Verifier) -> None:
         self.svc = svc
+        self.inboxes = RelayInboxes()  # open sessions, for verifies a draft relays
 
     async def Session(self, requests, context):
         async for reply in session_stream(
-            self.svc, requests, self.svc.cfg.session_ttl_s, self._open, self._step
+            self.svc, requests, self.svc.cfg.session_ttl_s, self._open, self._step, self.inboxes
         ):
             yield reply
+
+    async def Relay(self, requests, context):
+        """Queue each relayed verify on its session and acknowledge it; the verdict
+        goes out on the session's own stream (``specdec.transport.relay``)."""
+        async for m in requests:
+            request = target_pb2.TargetRequest(verify=m.verify)
+            reason = self.inboxes.deliver(m.relay_token, request, m.verify.seed)
+            if not reason:
+                await asyncio.sleep(0)  # let the session start its verify before the ack
+            yield target_pb2.RelayAck(tag=m.tag, accepted=not reason, reason=reason)
 
     async def _open(self, m: common_pb2.OpenSession):
         session = await self.svc.open(m.session_id, m.tokens, params_from_pb(m.params))
@@ -58,6 +72,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 forward_s=verdict.forward_s,
                 batch_tokens=verdict.batch_tokens,
                 run_tokens=verdict.run_tokens,
+                seed=v.seed,
             )
             if verdict.mass_above is not None:
                 out.mass_above.extend(verdict.mass_above)

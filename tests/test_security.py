@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,12 @@ def secure(tmp_path_factory, llama_pair):
             "cert": str(pki / "client.pem"),
             "key": str(pki / "client.key"),
         },
+        # The draft relays proposals to the target as the orchestrator's peer would.
+        draft__relay_tls={
+            "ca": str(pki / "ca.pem"),
+            "cert": str(pki / "client.pem"),
+            "key": str(pki / "client.key"),
+        },
         orchestrator__auth_tokens=[TOKEN],
         orchestrator__connect_timeout_s=60,
         orchestrator__grace_period_s=1,
@@ -226,6 +233,13 @@ def test_generation_over_tls_on_every_hop(secure):
     assert stats.generated_tokens == len(ids) == REQUEST["max_new_tokens"]
     # The draft hop works too (mTLS): tokens were drafted, no step fell back to the target.
     assert stats.drafted_tokens > 0 and stats.fallback_steps == 0, stats
+    # And the draft's own hop to the target (relay, mTLS with relay_tls).
+    port = secure.config["orchestrator"]["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    relayed = [ln for ln in text.splitlines() if ln.startswith("specdec_relayed_steps_total")]
+    assert any('outcome="relayed"' in ln and float(ln.split()[-1]) > 0 for ln in relayed), relayed
+    assert not any('outcome="not_relayed"' in ln for ln in relayed), relayed
 
 
 @pytest.mark.parametrize("role", ROLES)

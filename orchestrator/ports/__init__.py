@@ -15,6 +15,7 @@ Resilience (breakers, re-prefill, failover, fallback) wraps sessions in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from specdec.runtime.loading import ModelInfo
@@ -30,12 +31,32 @@ class WireCounter(Protocol):
     def count(self, peer: str, sent: int, received: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class RelayTo:
+    """Where a draft sends its proposal straight on (relay), and the rest of the
+    verify: the target session's replica and token, its cursor, the verify's seed."""
+
+    target: str  # the target replica's address
+    token: bytes  # the target session's relay token
+    cursor: Cursor  # the target's cursor
+    seed: int
+    pit: bool = False
+
+
 class DraftSession(Protocol):
     """One request's session on a draft service."""
 
     async def propose(
-        self, cursor: Cursor, gamma: int, seed: int, timeout: float | None
-    ) -> Proposal: ...
+        self,
+        cursor: Cursor,
+        gamma: int,
+        seed: int,
+        timeout: float | None,
+        relay: RelayTo | None = None,
+    ) -> Proposal:
+        """A draft from ``cursor``; with ``relay``, also sent on to the target (the
+        proposal says whether the target took it: ``Proposal.relayed``)."""
+        ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
 
@@ -54,7 +75,20 @@ class TargetSession(Protocol):
         timeout: float | None,
         pit: bool = False,
         run: int = 1,
-    ) -> Verdict: ...
+    ) -> Verdict:
+        """The verdict on ``proposal`` (for a relayed one: the verdict the relay
+        produces, with nothing sent from here)."""
+        ...
+
+    @property
+    def relay_token(self) -> bytes:
+        """What names this session to a relaying draft (empty: no relays)."""
+        ...
+
+    def cancel_relay(self, seed: int) -> None:
+        """A relayed verify with this seed was not confirmed: the target must never
+        run it, and its verdict, if one comes, is not this session's answer."""
+        ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
 

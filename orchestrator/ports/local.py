@@ -21,6 +21,7 @@ from specdec.wire import WireShape, unpack_q
 from target_service.verifier import Verifier
 
 from ..step import Cursor
+from . import RelayTo
 
 
 @contextlib.asynccontextmanager
@@ -38,7 +39,12 @@ class LocalDraftSession:
         self.svc, self.session = svc, session
 
     async def propose(
-        self, cursor: Cursor, gamma: int, seed: int, timeout: float | None = None
+        self,
+        cursor: Cursor,
+        gamma: int,
+        seed: int,
+        timeout: float | None = None,
+        relay: RelayTo | None = None,  # nothing to relay around in one process
     ) -> Proposal:
         async with _deadline("draft", timeout):
             return await self.svc.propose(
@@ -53,8 +59,13 @@ class LocalDraftSession:
 
 
 class LocalTargetSession:
+    relay_token = b""  # no relays: the engine calls verify itself
+
     def __init__(self, svc: Verifier, session: Session) -> None:
         self.svc, self.session = svc, session
+
+    def cancel_relay(self, seed: int) -> None:
+        pass
 
     async def verify(
         self,

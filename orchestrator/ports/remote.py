@@ -23,7 +23,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 from specdec.wire import WireShape, info_from_pb, pack_q, params_to_pb
 
 from ..step import Cursor
-from . import WireCounter
+from . import RelayTo, WireCounter
 
 
 class _Stream:
@@ -34,11 +34,16 @@ class _Stream:
         self.call = call
         self.counter = counter
 
-    async def ask(self, request, timeout: float | None):
+    async def ask(self, request, timeout: float | None, stale=None):
+        """Write ``request`` (None: nothing, the reply is already due) and read its
+        reply, passing over replies for which ``stale(reply)`` holds."""
         try:
             async with asyncio.timeout(timeout):
-                await self.call.write(request)
+                if request is not None:
+                    await self.call.write(request)
                 reply = await self.call.read()
+                while stale is not None and reply is not grpc.aio.EOF and stale(reply):
+                    reply = await self.call.read()
         except grpc.aio.AioRpcError as e:
             raise error_of(e, self.peer) from None
         except TimeoutError:
@@ -50,7 +55,8 @@ class _Stream:
             code = await self.call.code()
             raise Unavailable(f"{self.peer}: session stream ended ({code.name})")
         if self.counter is not None:
-            self.counter.count(self.peer, request.ByteSize(), reply.ByteSize())
+            sent = request.ByteSize() if request is not None else 0
+            self.counter.count(self.peer, sent, reply.ByteSize())
         return reply
 
     async def close(self) -> None:
@@ -67,24 +73,38 @@ class RemoteDraftSession:
         self.stream = stream
 
     async def propose(
-        self, cursor: Cursor, gamma: int, seed: int, timeout: float | None
+        self,
+        cursor: Cursor,
+        gamma: int,
+        seed: int,
+        timeout: float | None,
+        relay: RelayTo | None = None,
     ) -> Proposal:
-        req = draft_pb2.DraftRequest(
-            propose=draft_pb2.Propose(
-                cache_len=cursor.cache_len, append_tokens=cursor.pending, gamma=gamma, seed=seed
-            )
+        propose = draft_pb2.Propose(
+            cache_len=cursor.cache_len, append_tokens=cursor.pending, gamma=gamma, seed=seed
         )
-        p = (await self.stream.ask(req, timeout)).proposal
+        if relay is not None:
+            to = propose.relay
+            to.target, to.relay_token = relay.target, relay.token
+            v = to.verify
+            v.cache_len = relay.cursor.cache_len
+            v.pending_tokens[:] = relay.cursor.pending
+            v.seed, v.return_pit = relay.seed, relay.pit
+        p = (await self.stream.ask(draft_pb2.DraftRequest(propose=propose), timeout)).proposal
         if len(p.tokens) != gamma:
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
+        if self.stream.counter is not None and p.relay_bytes:
+            self.stream.counter.count("relay", p.relay_bytes, 0)
         return Proposal(
             list(p.tokens),
             None,
             p.cache_len,
-            packed=p.q,
+            packed=None if p.relayed else p.q,
             compute_s=p.compute_s,
             forward_s=p.forward_s,
             batch_tokens=p.batch_tokens,
+            relayed=p.relayed,
+            relay_bytes=p.relay_bytes,
         )
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:
@@ -96,8 +116,13 @@ class RemoteDraftSession:
 
 
 class RemoteTargetSession:
-    def __init__(self, stream: _Stream) -> None:
+    def __init__(self, stream: _Stream, relay_token: bytes = b"") -> None:
         self.stream = stream
+        self.relay_token = relay_token
+        self.cancels: list[int] = []  # seeds of unconfirmed relays, sent with the next verify
+
+    def cancel_relay(self, seed: int) -> None:
+        self.cancels.append(seed)
 
     async def verify(
         self,
@@ -117,12 +142,26 @@ class RemoteTargetSession:
             return_pit=pit,
             run_tokens=run if run > 1 else 0,
         )
-        if proposal is not None and proposal.tokens:
-            v.draft_tokens.extend(proposal.tokens)
-            v.draft_q.CopyFrom(
-                proposal.packed if proposal.packed is not None else pack_q(proposal.qs)
-            )
-        r = (await self.stream.ask(target_pb2.TargetRequest(verify=v), timeout)).verdict
+        request = None
+        if proposal is None or not proposal.relayed:  # a relayed one is at the target
+            if proposal is not None and proposal.tokens:
+                v.draft_tokens.extend(proposal.tokens)
+                v.draft_q.CopyFrom(
+                    proposal.packed if proposal.packed is not None else pack_q(proposal.qs)
+                )
+            if self.cancels:
+                v.cancel_relays.extend(self.cancels)
+                self.cancels.clear()
+            request = target_pb2.TargetRequest(verify=v)
+
+        def stale(reply) -> bool:  # the verdict of a relay this session gave up on
+            echoed = reply.verdict.seed  # 0: a target from before relays (it sends none)
+            return reply.WhichOneof("kind") == "verdict" and echoed not in (0, seed)
+
+        r = (await self.stream.ask(request, timeout, stale)).verdict
+        drafted = len(proposal.tokens) if proposal is not None else 0
+        if len(r.p_draft) != drafted:  # never taken for another step's answer
+            raise Unavailable(f"target: a verdict on {len(r.p_draft)} drafts, not {drafted}")
         return Verdict(
             p_draft=list(r.p_draft),
             q_draft=list(r.q_draft),
@@ -140,7 +179,8 @@ class RemoteTargetSession:
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:
         req = target_pb2.TargetRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
-        return (await self.stream.ask(req, timeout)).rolled_back.cache_len
+        reply = await self.stream.ask(req, timeout, lambda r: r.WhichOneof("kind") == "verdict")
+        return reply.rolled_back.cache_len
 
     async def close(self) -> None:
         await self.stream.close()
@@ -164,14 +204,15 @@ class _RemotePort:
         except grpc.aio.AioRpcError as e:
             raise error_of(e, self.peer) from None
 
-    async def _open(self, request, timeout: float | None, counter: WireCounter | None) -> _Stream:
+    async def _open(self, request, timeout: float | None, counter: WireCounter | None):
+        """The session's stream, and the reply to its ``open``."""
         stream = _Stream(self.peer, self.stub.Session(), counter)
         try:
-            await stream.ask(request, timeout)
+            reply = await stream.ask(request, timeout)
         except BaseException:
             await stream.close()
             raise
-        return stream
+        return stream, reply
 
     async def aclose(self) -> None:
         await self.channel.close()
@@ -205,7 +246,7 @@ class RemoteDraft(_RemotePort):
                 wire_bits=shape.bits,
             )
         )
-        return RemoteDraftSession(await self._open(req, timeout, counter))
+        return RemoteDraftSession((await self._open(req, timeout, counter))[0])
 
 
 class RemoteTarget(_RemotePort):
@@ -230,4 +271,5 @@ class RemoteTarget(_RemotePort):
                 session_id=session_id, tokens=tokens, params=params_to_pb(params)
             )
         )
-        return RemoteTargetSession(await self._open(req, timeout, counter))
+        stream, reply = await self._open(req, timeout, counter)
+        return RemoteTargetSession(stream, reply.opened.relay_token)

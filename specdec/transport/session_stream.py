@@ -5,6 +5,11 @@ exactly one reply, in order. The session is freed when the stream ends for
 any reason: the caller closes it, cancels it, its connection drops, a bad
 message ends it with a status, or it stays idle for longer than the TTL.
 Both model services use it with their own ``open`` and ``step`` handlers.
+
+With ``inboxes`` (the target), the session also takes verifies a draft service
+relays on its behalf (``specdec.transport.relay``): the caller's messages and
+relayed ones are served from one queue in arrival order, and the reply to
+``open`` carries the session's relay token.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from specdec.errors import DeadlineExceeded, require
 from specdec.model_service import ModelService
 from specdec.sessions import Session
 
+from .relay import Inbox, RelayInboxes
+
 OpenHandler = Callable[[Any], Awaitable[tuple[Session, Any]]]
 StepHandler = Callable[[Session, str, Any], Awaitable[Any]]
 
@@ -27,15 +34,23 @@ async def session_stream(
     ttl_s: float,
     on_open: OpenHandler,
     on_step: StepHandler,
+    inboxes: RelayInboxes | None = None,
 ) -> AsyncIterator[Any]:
     """Replies to the messages of one session stream (see the module docstring)."""
     messages = requests.__aiter__()
     session: Session | None = None
+    inbox: Inbox | None = None
+    reader: asyncio.Task | None = None
     try:
         while True:
             try:
                 async with asyncio.timeout(ttl_s):
-                    msg = await messages.__anext__()
+                    if inbox is None:
+                        msg = await messages.__anext__()
+                    else:
+                        msg = await inbox.queue.get()
+                        if isinstance(msg, BaseException):
+                            raise msg
             except StopAsyncIteration:
                 return
             except TimeoutError:
@@ -51,10 +66,32 @@ async def session_stream(
                     kind == "open", "open", f"the first message must open the session, got {kind}"
                 )
                 session, reply = await on_open(msg.open)
+                if inboxes is not None:
+                    inbox = inboxes.open()
+                    reply.opened.relay_token = inbox.token
+                    reader = asyncio.get_running_loop().create_task(_read_into(messages, inbox))
             else:
                 require(kind != "open", "open", "the session is already open")
                 reply = await on_step(session, kind, msg)
             yield reply
     finally:
+        if reader is not None:
+            reader.cancel()
+        if inbox is not None:
+            inboxes.close(inbox)
         if session is not None:
             svc.close(session)
+
+
+async def _read_into(messages: AsyncIterator, inbox: Inbox) -> None:
+    """Queue the caller's messages on the session's inbox; then StopAsyncIteration,
+    or the error that ended the stream. A verify's ``cancel_relays`` take effect on
+    arrival, so that a relay arriving after it is refused."""
+    try:
+        async for msg in messages:
+            if msg.WhichOneof("kind") == "verify" and msg.verify.cancel_relays:
+                inbox.cancel(msg.verify.cancel_relays)
+            inbox.queue.put_nowait(msg)
+        inbox.queue.put_nowait(StopAsyncIteration())
+    except Exception as e:
+        inbox.queue.put_nowait(e)

@@ -83,10 +83,12 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., wire_eps: _Optional[float] = ..., wire_bits: _Optional[int] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("cache_len",)
+    __slots__ = ("cache_len", "relay_token")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TOKEN_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
-    def __init__(self, cache_len: _Optional[int] = ...) -> None: ...
+    relay_token: bytes
+    def __init__(self, cache_len: _Optional[int] = ..., relay_token: _Optional[bytes] = ...) -> None: ...
 
 class Rollback(_message.Message):
     __slots__ = ("cache_len",)

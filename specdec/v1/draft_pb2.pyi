@@ -1,4 +1,5 @@
 from specdec.v1 import common_pb2 as _common_pb2
+from specdec.v1 import target_pb2 as _target_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -28,29 +29,45 @@ class DraftReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("cache_len", "append_tokens", "gamma", "seed")
+    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     seed: int
-    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    relay: RelayTo
+    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ...) -> None: ...
+
+class RelayTo(_message.Message):
+    __slots__ = ("target", "relay_token", "verify")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    relay_token: bytes
+    verify: _target_pb2.Verify
+    def __init__(self, target: _Optional[str] = ..., relay_token: _Optional[bytes] = ..., verify: _Optional[_Union[_target_pb2.Verify, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens")
+    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BYTES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _common_pb2.PackedQ
     cache_len: int
     compute_s: float
     forward_s: float
     batch_tokens: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ...) -> None: ...
+    relayed: bool
+    relay_bytes: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ..., relayed: _Optional[bool] = ..., relay_bytes: _Optional[int] = ...) -> None: ...

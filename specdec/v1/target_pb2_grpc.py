@@ -41,6 +41,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.TargetReply.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/specdec.v1.TargetService/Relay',
+                request_serializer=specdec_dot_v1_dot_target__pb2.RelayedVerify.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.RelayAck.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specdec.v1.TargetService/Info',
                 request_serializer=specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -63,6 +68,18 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """Verifies that draft services send on sessions' behalf (relay): the
+        orchestrator asks the draft to pass its proposal straight to the target,
+        which takes the orchestrator's hop (a message and a wake-up) out of the
+        step. Each `RelayedVerify` is acknowledged at once; its verdict goes out on
+        the session's own stream, as if the session's caller had sent the verify.
+        One stream carries the relays of many sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Model id, vocabulary size, tokenizer fingerprint, dtype and device.
         """
@@ -77,6 +94,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.TargetRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.TargetReply.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.RelayedVerify.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.RelayAck.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -112,6 +134,33 @@ class TargetService:
             '/specdec.v1.TargetService/Session',
             specdec_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.TargetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/Relay',
+            specdec_dot_v1_dot_target__pb2.RelayedVerify.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.RelayAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,159 @@
+"""Relay side by side: the draft sending its proposal straight to the target
+(``orchestrator.relay``, the default) against the route through the
+orchestrator, with one draft and one target service behind two orchestrators
+that differ only in ``relay``.
+
+    python -m benchmarks.relay [--repeats 5] [--out results/relay-<time>]
+
+Parts (each configuration once to warm up, then interleaved rounds, the order
+rotating; medians and paired ratios):
+- one client, 8 prompts x 64 tokens, gamma 4 and adaptive, greedy and T=1,
+  on shared cores and pinned as in ``make bench`` (draft, orchestrators and
+  this client on one core, the target on the other);
+- the same pinned, with round-trip time added on every hop (``--rtts``, the
+  delay proxy: the relay goes through the target's proxy too), against plain
+  decoding (gamma 0) through the same proxies;
+- concurrent clients at T=1 (``--clients``), adaptive, shared cores.
+Prints a table; writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from specdec.local.proxy import ProxyGroup
+
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
+from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side_header
+from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
+
+MAX_NEW = 64
+ONE_CLIENT = {"gamma 4": {"gamma": 4, "overlap": False}, "adaptive": {"gamma": None}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rtts", type=float, nargs="*", default=[2.0, 10.0])
+    ap.add_argument("--clients", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--out", default=f"results/relay-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info("cpu")
+    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
+    proxies = ProxyGroup()
+    rates: dict[str, list[float]] = {}
+    every = set(range(os.cpu_count() or 1))
+
+    def unpin() -> None:
+        for role in ("draft", "target", "orchestrator"):
+            stack.pin(role, every)
+        stack.pin_extra(every)
+        unpin_self()
+
+    def one_client_configs(orchs: dict, suffix: str, plain: bool = False) -> dict:
+        configs = {}
+        for temp in (0.0, 1.0):
+            modes = {**ONE_CLIENT, **({"plain": {"gamma": 0}} if plain else {})}
+            for mode, fields in modes.items():
+                routes = orchs if mode != "plain" else {"direct": orchs["direct"]}
+                for route, address in routes.items():
+                    f = {**fields, "temperature": temp}
+                    configs[f"{route} {mode}@{temp:g}{suffix}"] = lambda r, a=address, f=f: (
+                        one_client(a, f, r)
+                    )
+        return configs
+
+    try:
+        d, t = stack.address("draft"), stack.address("target")
+        sets = {"orchestrator.max_concurrent_requests": 32}
+        direct = {
+            "relay": stack.start_orchestrator("orch-relay", d, t, {**sets})[0],
+            "direct": stack.start_orchestrator(
+                "orch-direct", d, t, {**sets, "orchestrator.relay": False}
+            )[0],
+        }
+        pd, pt = proxies.add(d), proxies.add(t)
+        proxied = {
+            "relay": stack.start_orchestrator("orch-relay-proxied", pd, pt, {**sets})[0],
+            "direct": stack.start_orchestrator(
+                "orch-direct-proxied", pd, pt, {**sets, "orchestrator.relay": False}
+            )[0],
+        }
+        rates |= interleaved(one_client_configs(direct, " shared"), args.repeats)
+        print("shared cores done", flush=True)
+        pin_stack(stack)
+        stack.pin_extra(DRAFT_CORE)
+        rates |= interleaved(one_client_configs(direct, " pinned"), args.repeats)
+        print("pinned done", flush=True)
+        for rtt in args.rtts:
+            proxies.set_rtt_ms(rtt)
+            rates |= interleaved(
+                one_client_configs(proxied, f" +{rtt:g}ms", plain=True), args.repeats
+            )
+            print(f"RTT +{rtt:g} ms done", flush=True)
+        unpin()
+        for n in args.clients:
+            configs = {
+                f"{route} x{n}": (
+                    lambda r, a=address, n=n: clients_round(
+                        a, n, {"gamma": None, "temperature": 1.0}, PROMPTS, 3, MAX_NEW, r
+                    )[0]
+                )
+                for route, address in direct.items()
+            }
+            rates |= interleaved(configs, args.repeats)
+            print(f"{n} clients done", flush=True)
+        text = stack.metrics_text("orchestrator")
+        info["orchestrator_relay_counts_of_the_stack"] = [
+            ln for ln in text.splitlines() if ln.startswith("specdec_relayed_steps_total")
+        ]
+    finally:
+        stack.stop()
+        proxies.close()
+    info["load_average_end"] = list(os.getloadavg())
+    med = {k: statistics.median(v) for k, v in rates.items()}
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
+
+    lines = side_by_side_header(
+        "Relay: the draft's proposal straight to the target, side by side",
+        info,
+        f"{args.repeats} interleaved rounds after a warm-up run; medians, and the median "
+        "of the paired per-round ratios. relay = `orchestrator.relay: true` (the default), "
+        "direct = false; one draft and one target behind both.",
+    ) + [
+        "| | relay tok/s | direct tok/s | relay / direct (medians) | paired | relay / plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    suffixes = [" shared", " pinned"] + [f" +{rtt:g}ms" for rtt in args.rtts]
+    for suffix in suffixes:
+        for temp in (0.0, 1.0):
+            for mode in ONE_CLIENT:
+                key = f"{mode}@{temp:g}{suffix}"
+                a, b = med[f"relay {key}"], med[f"direct {key}"]
+                plain = med.get(f"direct plain@{temp:g}{suffix}")
+                vs_plain = f"{a / plain:.2f}" if plain else "-"
+                label = f"{mode}, {'greedy' if temp == 0 else 'T=1'}, {suffix.strip()}"
+                lines.append(
+                    f"| {label} | {a:.1f} | {b:.1f} | {a / b:.3f} | "
+                    f"{paired(f'relay {key}', f'direct {key}'):.3f} | {vs_plain} |"
+                )
+    for n in args.clients:
+        a, b = med[f"relay x{n}"], med[f"direct x{n}"]
+        lines.append(
+            f"| adaptive, {n} clients, T=1, shared | {a:.1f} | {b:.1f} | {a / b:.3f} | "
+            f"{paired(f'relay x{n}', f'direct x{n}'):.3f} | - |"
+        )
+    save_side_by_side(out, lines, info, rates, med)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

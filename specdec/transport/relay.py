@@ -1,0 +1,189 @@
+"""Relay: the draft service passes a proposal straight to the target.
+
+In a sequential step the proposal used to travel draft -> orchestrator ->
+target: two messages, and the orchestrator woken in between. With a relay the
+orchestrator's Propose names the target session (its replica address and
+relay token) and carries the rest of the Verify; the draft sends the verify
+to the target's ``Relay`` stream, and the verdict comes back to the
+orchestrator on its own target session stream. The orchestrator still decides
+acceptance with its own uniforms; only the route changes.
+
+Two pieces, one per side:
+
+* ``RelayInboxes`` (target): each open session's inbox, found by its relay
+  token. The session's stream serves its caller's messages and relayed
+  verifies from one queue, in arrival order.
+* ``RelayClient`` (draft): one ``Relay`` stream per target address, shared by
+  every session; each relayed verify waits for its ack (a short deadline), and
+  anything but an ack means "not relayed": the draft then answers with q as
+  usual and the orchestrator verifies itself.
+
+Exactness never depends on the route. A relayed verify is the verify the
+orchestrator would have sent; the one hazard is a relay that arrives after the
+orchestrator gave up on it and moved on. The orchestrator names such relays by
+their seed in its next verify (``cancel_relays``), the inbox refuses them if
+they arrive later, and a verdict that did go out for one is skipped by its
+seed (``Verdict.seed``) on the orchestrator's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import secrets
+from typing import Any
+
+import grpc
+
+from specdec.config import TlsConfig
+from specdec.v1 import target_pb2, target_pb2_grpc
+
+from .channels import open_channel
+
+log = logging.getLogger(__name__)
+
+_CANCELLED_KEPT = 8  # per session: seeds of relays its caller gave up on
+
+
+class Inbox:
+    """One target session's queue: its caller's messages and relayed verifies."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_bytes(16)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled: collections.deque[int] = collections.deque(maxlen=_CANCELLED_KEPT)
+
+    def cancel(self, seeds) -> None:
+        """The caller gave up on relayed verifies with these seeds."""
+        self.cancelled.extend(seeds)
+
+
+class RelayInboxes:
+    """The target's open sessions that accept relayed verifies, by relay token."""
+
+    def __init__(self) -> None:
+        self._by_token: dict[bytes, Inbox] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_token)
+
+    def open(self) -> Inbox:
+        inbox = Inbox()
+        self._by_token[inbox.token] = inbox
+        return inbox
+
+    def close(self, inbox: Inbox) -> None:
+        self._by_token.pop(inbox.token, None)
+
+    def deliver(self, token: bytes, request: Any, seed: int) -> str:
+        """Queue a relayed request on its session; '' if queued, else why not."""
+        inbox = self._by_token.get(token)
+        if inbox is None:
+            return "no session with this relay token here"
+        if seed in inbox.cancelled:
+            return "the session's caller cancelled this relay"
+        inbox.queue.put_nowait(request)
+        return ""
+
+
+_RETRY_S = (1.0, 30.0)  # a target that did not ack: no relays to it for 1 s, doubling to 30
+
+
+class RelayClient:
+    """The draft's side: relayed verifies to target replicas, one stream each.
+
+    A target that does not acknowledge in time (unreachable from here, TLS that
+    does not match, a stream that broke) gets no relays for a while, so a relay
+    that cannot work costs one ack timeout per back-off, not one per step."""
+
+    def __init__(self, tls: TlsConfig, max_message_bytes: int, ack_timeout_s: float) -> None:
+        self.tls = tls
+        self.max_message_bytes = max_message_bytes
+        self.ack_timeout_s = ack_timeout_s
+        self._links: dict[str, _Link] = {}
+        self._resting: dict[str, tuple[float, float]] = {}  # address -> (until, back-off)
+
+    async def send(self, address: str, token: bytes, verify: target_pb2.Verify) -> tuple[bool, int]:
+        """Relay ``verify`` to the session ``token`` at ``address``; (accepted, bytes)."""
+        loop = asyncio.get_running_loop()
+        until, backoff = self._resting.get(address, (0.0, 0.0))
+        if loop.time() < until:
+            return False, 0
+        link = self._links.get(address)
+        if link is None or link.broken:
+            if link is not None:
+                await link.aclose()
+            link = self._links[address] = _Link(
+                open_channel(address, self.tls, self.max_message_bytes)
+            )
+        accepted, nbytes, answered = await link.send(token, verify, self.ack_timeout_s)
+        if answered:
+            self._resting.pop(address, None)
+        else:
+            backoff = min(max(backoff * 2, _RETRY_S[0]), _RETRY_S[1])
+            self._resting[address] = (loop.time() + backoff, backoff)
+            log.warning("relay to %s unanswered: none for %.0f s", address, backoff)
+        return accepted, nbytes
+
+    async def aclose(self) -> None:
+        for link in self._links.values():
+            await link.aclose()
+        self._links.clear()
+
+
+class _Link:
+    """One Relay stream: writes serialized, acks matched to their futures by tag."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self.call = target_pb2_grpc.TargetServiceStub(channel).Relay()
+        self.tags = itertools.count(1)
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.write_lock = asyncio.Lock()
+        self.broken = False
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while (ack := await self.call.read()) is not grpc.aio.EOF:
+                future = self.waiting.pop(ack.tag, None)
+                if future is not None and not future.done():
+                    future.set_result(ack)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if not isinstance(e, asyncio.CancelledError):
+                log.warning("relay stream to the target ended: %s", e.code().name)
+        finally:
+            self.broken = True
+            for future in self.waiting.values():
+                if not future.done():
+                    future.cancel()
+            self.waiting.clear()
+
+    async def send(
+        self, token: bytes, verify: target_pb2.Verify, timeout: float
+    ) -> tuple[bool, int, bool]:
+        """(accepted, bytes on the wire, whether the target answered at all)."""
+        tag = next(self.tags)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[tag] = future
+        request = target_pb2.RelayedVerify(relay_token=token, verify=verify, tag=tag)
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.write_lock:
+                    await self.call.write(request)
+                ack = await future
+        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            if asyncio.current_task().cancelling():
+                raise
+            self.waiting.pop(tag, None)
+            return False, request.ByteSize(), False
+        if not ack.accepted:
+            log.debug("relay refused: %s", ack.reason)
+        return ack.accepted, request.ByteSize() + ack.ByteSize(), True
+
+    async def aclose(self) -> None:
+        self.call.cancel()
+        self.reader.cancel()
+        await self.channel.close()

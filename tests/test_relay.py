@@ -1,0 +1,172 @@
+"""Relay: the draft sends its proposal straight to the target
+(``specdec.transport.relay``). The route must never change the output, and a
+relay the orchestrator gave up on must never run or be taken for an answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from orchestrator.ports.remote import RemoteTarget
+from orchestrator.step import Cursor
+from specdec.sampling import SamplingParams
+from specdec.transport.relay import RelayInboxes
+from specdec.v1 import target_pb2, target_pb2_grpc
+
+from .stack import local_stack
+
+
+def test_an_inbox_takes_its_own_relays_and_refuses_cancelled_or_unknown_ones():
+    async def go():
+        inboxes = RelayInboxes()
+        inbox = inboxes.open()
+        assert inboxes.deliver(inbox.token, "verify", seed=1) == ""
+        assert inbox.queue.get_nowait() == "verify"
+        assert "no session" in inboxes.deliver(b"x" * 16, "verify", seed=1)
+        inbox.cancel([7])
+        assert "cancelled" in inboxes.deliver(inbox.token, "verify", seed=7)
+        assert inbox.queue.empty()
+        inboxes.close(inbox)
+        assert "no session" in inboxes.deliver(inbox.token, "verify", seed=2)
+        assert len(inboxes) == 0
+
+    asyncio.run(go())
+
+
+def _relay(token: bytes, cursor: Cursor, seed: int, tag: int) -> target_pb2.RelayedVerify:
+    verify = target_pb2.Verify(cache_len=cursor.cache_len, pending_tokens=cursor.pending, seed=seed)
+    return target_pb2.RelayedVerify(relay_token=token, verify=verify, tag=tag)
+
+
+def test_relayed_verdicts_reach_the_session_and_late_ones_are_refused_or_skipped(llama_stack):
+    """Through the real target service: a relayed verify answers on the session's
+    own stream; one cancelled before it arrives is refused; one that ran after its
+    caller moved on is passed over by the caller (its seed is not the one asked)."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(llama_stack.address("target")) as channel:
+            port = RemoteTarget(channel)
+            history = [5, 6, 7, 8]
+            session = await port.open("relay-test", history[:-1], SamplingParams(), 30.0)
+            assert len(session.relay_token) == 16
+            relay = target_pb2_grpc.TargetServiceStub(channel).Relay()
+            cursor = Cursor.fresh(history)
+
+            # Relayed: acked at once, the verdict comes on the session stream.
+            await relay.write(_relay(session.relay_token, cursor, seed=11, tag=1))
+            ack = await relay.read()
+            assert (ack.tag, ack.accepted) == (1, True)
+            relayed = await session.verify(cursor, _Relayed(), 11, False, 30.0)
+            assert relayed.cache_len == cursor.end  # the pending token was fed
+
+            # Another replica's token, or none: refused, naming why.
+            await relay.write(_relay(b"\0" * 16, cursor, seed=12, tag=2))
+            ack = await relay.read()
+            assert not ack.accepted and "no session" in ack.reason
+
+            # Cancelled with the next verify: a relay arriving later never runs.
+            session.cancel_relay(13)
+            await session.verify(cursor, None, 14, False, 30.0)
+            await relay.write(_relay(session.relay_token, cursor, seed=13, tag=3))
+            ack = await relay.read()
+            assert not ack.accepted and "cancelled" in ack.reason
+
+            # Ran before its cancel arrived: its verdict is skipped, not taken.
+            await relay.write(_relay(session.relay_token, cursor, seed=15, tag=4))
+            assert (await relay.read()).accepted
+            session.cancel_relay(15)
+            own = await session.verify(cursor, None, 16, False, 30.0)
+            again = await session.verify(cursor, None, 16, False, 30.0)
+            assert own.bonus_token == again.bonus_token  # the answer to seed 16, twice
+            assert await session.rollback(cursor.cache_len, 30.0) == cursor.cache_len
+            relay.cancel()
+            await session.close()
+
+    asyncio.run(go())
+
+
+class _Relayed:
+    """A proposal whose verify the draft relayed (only what the port reads)."""
+
+    tokens: list[int] = []
+    relayed = True
+
+
+@pytest.fixture(scope="module")
+def ab_stack(tmp_path_factory, llama_pair):
+    """One draft and target; the stack's orchestrator relays, a second one does not."""
+    draft, target = llama_pair
+    with local_stack(tmp_path_factory.mktemp("relay-ab"), draft, target) as stack:
+        direct, _ = stack.start_orchestrator(
+            "direct",
+            stack.address("draft"),
+            stack.address("target"),
+            {"orchestrator.relay": False},
+        )
+        yield stack, direct
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
+    """Same seed, same draws: relayed steps emit exactly what direct ones do,
+    greedy and sampled, for every gamma."""
+    stack, direct = ab_stack
+    before = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
+    for gamma in (1, 3, 6):
+        for seed in (1, 2):
+            fields = dict(
+                prompt=[3, 9, 27],
+                max_new_tokens=40,
+                temperature=temperature,
+                gamma=gamma,
+                seed=seed,
+                overlap=False,
+            )
+            relayed, _, _ = stack.generate_raw(**fields)
+            plain, _, _ = stack.generate_raw(address=direct, **fields)
+            assert relayed == plain, (gamma, seed)
+    after = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
+    assert after - before >= 6 * 5  # every request relayed (at least 5 steps each)
+
+
+def test_a_relay_left_unconfirmed_never_changes_the_output(tmp_path, llama_pair):
+    """With an ack deadline nobody meets, every relay is given up on: the target may
+    or may not have run it. The orchestrator cancels it and verifies itself (with a
+    seed of its own, so a sampled request's draws differ from the direct route's
+    there; greedy output cannot). Greedy output equals the direct route's, and the
+    draft stops relaying to a target that does not answer (a back-off, not an ack
+    timeout per step)."""
+    draft, target = llama_pair
+    with local_stack(tmp_path, draft, target, draft__relay_ack_timeout_s=1e-6) as stack:
+        direct, _ = stack.start_orchestrator(
+            "direct",
+            stack.address("draft"),
+            stack.address("target"),
+            {"orchestrator.relay": False},
+        )
+        deadline = time.monotonic() + 3.0
+        requests = 0
+        while time.monotonic() < deadline or requests < 4:
+            temperature = float(requests % 2)
+            fields = dict(
+                prompt=[4, 8, 15 + requests],
+                max_new_tokens=32,
+                temperature=temperature,
+                gamma=3,
+                seed=requests,
+            )
+            got, _, stats = stack.generate_raw(**fields)
+            want, _, _ = stack.generate_raw(address=direct, **fields)
+            if temperature == 0.0:
+                assert got == want
+            assert len(got) == len(want) == 32
+            assert stats.total_time_s < 5.0  # no step waits out more than an ack
+            requests += 1
+        not_relayed = stack.metric(
+            "orchestrator", "specdec_relayed_steps_total", 'outcome="not_relayed"'
+        )
+        assert not_relayed >= 1
+        assert stack.live_sessions("target") == 0
