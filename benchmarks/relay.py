@@ -40,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rtts", type=float, nargs="*", default=[2.0, 10.0])
     ap.add_argument("--clients", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--no-one-client", action="store_true", help="only the concurrent part")
+    ap.add_argument(
+        "--relay-max-requests",
+        type=int,
+        default=None,
+        help="the relaying orchestrator's relay_max_requests (default: the config's)",
+    )
     ap.add_argument("--out", default=f"results/relay-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -72,25 +79,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         d, t = stack.address("draft"), stack.address("target")
         sets = {"orchestrator.max_concurrent_requests": 32}
+        relay_sets = dict(sets)
+        if args.relay_max_requests is not None:
+            relay_sets["orchestrator.relay_max_requests"] = args.relay_max_requests
+            info["relay_max_requests"] = args.relay_max_requests
+        relay_address, relay_metrics = stack.start_orchestrator("orch-relay", d, t, relay_sets)
         direct = {
-            "relay": stack.start_orchestrator("orch-relay", d, t, {**sets})[0],
+            "relay": relay_address,
             "direct": stack.start_orchestrator(
                 "orch-direct", d, t, {**sets, "orchestrator.relay": False}
             )[0],
         }
         pd, pt = proxies.add(d), proxies.add(t)
         proxied = {
-            "relay": stack.start_orchestrator("orch-relay-proxied", pd, pt, {**sets})[0],
+            "relay": stack.start_orchestrator("orch-relay-proxied", pd, pt, relay_sets)[0],
             "direct": stack.start_orchestrator(
                 "orch-direct-proxied", pd, pt, {**sets, "orchestrator.relay": False}
             )[0],
         }
-        rates |= interleaved(one_client_configs(direct, " shared"), args.repeats)
-        print("shared cores done", flush=True)
-        pin_stack(stack)
-        stack.pin_extra(DRAFT_CORE)
-        rates |= interleaved(one_client_configs(direct, " pinned"), args.repeats)
-        print("pinned done", flush=True)
+        if args.no_one_client:
+            args.rtts = []
+        else:
+            rates |= interleaved(one_client_configs(direct, " shared"), args.repeats)
+            print("shared cores done", flush=True)
+            pin_stack(stack)
+            stack.pin_extra(DRAFT_CORE)
+            rates |= interleaved(one_client_configs(direct, " pinned"), args.repeats)
+            print("pinned done", flush=True)
         for rtt in args.rtts:
             proxies.set_rtt_ms(rtt)
             rates |= interleaved(
@@ -109,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             rates |= interleaved(configs, args.repeats)
             print(f"{n} clients done", flush=True)
-        text = stack.metrics_text("orchestrator")
-        info["orchestrator_relay_counts_of_the_stack"] = [
-            ln for ln in text.splitlines() if ln.startswith("specdec_relayed_steps_total")
-        ]
+        text = stack.metrics_text("orchestrator", port=relay_metrics)
+        info["relay_outcomes_unproxied"] = {
+            ln.split('"')[1]: float(ln.split()[-1])
+            for ln in text.splitlines()
+            if ln.startswith("specdec_relayed_steps_total{")
+        }
     finally:
         stack.stop()
         proxies.close()
@@ -132,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         "| | relay tok/s | direct tok/s | relay / direct (medians) | paired | relay / plain |",
         "|---|---|---|---|---|---|",
     ]
-    suffixes = [" shared", " pinned"] + [f" +{rtt:g}ms" for rtt in args.rtts]
+    suffixes = [] if args.no_one_client else [" shared", " pinned"]
+    suffixes += [f" +{rtt:g}ms" for rtt in args.rtts]
     for suffix in suffixes:
         for temp in (0.0, 1.0):
             for mode in ONE_CLIENT:

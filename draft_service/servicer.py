@@ -23,7 +23,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def relay_client(self) -> RelayClient:
         if self.relay is None:
             cfg = self.svc.cfg
-            self.relay = RelayClient(cfg.relay_tls, 16 * 1024 * 1024, cfg.relay_ack_timeout_s)
+            self.relay = RelayClient(cfg.relay_tls, 16 * 1024 * 1024, cfg.relay_send_timeout_s)
         return self.relay
 
     async def aclose(self) -> None:
@@ -58,7 +58,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             )
             q = pack_q(proposal.qs)
             if p.HasField("relay") and p.relay.target:
-                # Straight to the target; q comes back here only if the relay fails.
+                # Straight to the target; q comes back here only if it could not be sent.
                 verify = target_pb2.Verify()
                 verify.CopyFrom(p.relay.verify)
                 verify.draft_tokens[:] = proposal.tokens

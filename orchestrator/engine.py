@@ -340,7 +340,9 @@ class Generation:
         self.eos = set(orch.target_info.eos_token_ids)
         budget = Budget(deadline, o.draft_timeout_s, o.target_timeout_s)
         common = (self.sid, self.history, spec.params, budget, self, orch.spawn)
-        self.target = TargetLink(orch.target_pool, *common, retry_s=o.target_retry_s)
+        self.target = TargetLink(
+            orch.target_pool, *common, retry_s=o.target_retry_s, relay_timeout_s=o.relay_timeout_s
+        )
         self.draft: DraftLink | None = None
         if spec.max_gamma > 0 and spec.max_new_tokens > 1:
             wire_k = 0 if spec.dense else o.wire_top_k
@@ -411,7 +413,7 @@ class Generation:
                     t0 = time.perf_counter()  # a one-off, not this step's cost
                 # The draft sends the proposal straight to the target when it can.
                 relay = None
-                if self.o.relay and not self.spec.dense:
+                if self.o.relay and not self.spec.dense and self.relay_pays():
                     relay = self.target.relay_to(target_seed, pit)
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
                 relayed = proposal is not None and proposal.relayed
@@ -493,6 +495,12 @@ class Generation:
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         return outcome.tokens
+
+    def relay_pays(self) -> bool:
+        """Whether to relay this step's proposal: at light load, where the hop it saves
+        is on the critical path (``relay_max_requests``; 0: always)."""
+        limit = self.o.relay_max_requests
+        return limit == 0 or self.orch.load() <= limit
 
     def plain_run(self, remaining: int) -> int:
         """Tokens the target draws in a row if this step is plain (no draft): up to

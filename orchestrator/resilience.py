@@ -243,9 +243,11 @@ class DraftLink(_Link):
 class TargetLink(_Link):
     role = "target"
 
-    def __init__(self, *args, retry_s: float, **kw) -> None:
+    def __init__(self, *args, retry_s: float, relay_timeout_s: float = 5.0, **kw) -> None:
         super().__init__(*args, **kw)
         self.retry_s = retry_s
+        self.relay_timeout_s = relay_timeout_s
+        self.relays_failed = False  # a relayed verdict never came: verify directly
         self.model: str | None = None  # fingerprint of the model this request runs on
 
     async def _open(self) -> None:
@@ -283,7 +285,7 @@ class TargetLink(_Link):
     def relay_to(self, seed: int, pit: bool) -> RelayTo | None:
         """Where a draft may send this step's proposal straight on (None: the session
         takes no relays, or there is none yet)."""
-        if self.session is None or not self.session.relay_token:
+        if self.session is None or not self.session.relay_token or self.relays_failed:
             return None
         return RelayTo(self.replica.address, self.session.relay_token, self.cursor, seed, pit)
 
@@ -308,17 +310,15 @@ class TargetLink(_Link):
         delay = 0.05
         dropped = False
         while True:
+            relayed = proposal is not None and proposal.relayed
             try:
                 if self.session is None:
                     await self._open()
+                timeout = self.budget.left(self.budget.target_timeout_s)
+                if relayed:
+                    timeout = min(timeout, self.relay_timeout_s)
                 verdict = await self.session.verify(
-                    self.cursor,
-                    proposal,
-                    seed,
-                    dense_p,
-                    self.budget.left(self.budget.target_timeout_s),
-                    pit,
-                    run,
+                    self.cursor, proposal, seed, dense_p, timeout, pit, run
                 )
                 self.replica.breaker.success()
                 verdict.drafts_dropped = dropped
@@ -326,10 +326,22 @@ class TargetLink(_Link):
             except SessionLost as e:
                 log.warning("target lost session %s (%s): re-prefilling", self.session_id, e)
                 self.drop_session()
-            except (Unavailable, DeadlineExceeded) as e:
-                if self.budget.passed() or time.monotonic() > retry_until:
+            except DeadlineExceeded:
+                if not relayed or self.budget.passed():
                     raise
-                if isinstance(e, DeadlineExceeded):
+                # The relay was lost on its way (the draft reached another replica, or
+                # the message died with a connection): this request relays no more.
+                log.warning(
+                    "no verdict for a relayed proposal within relay_timeout_s (%g s) from "
+                    "%s: request %s verifies directly from now on",
+                    self.relay_timeout_s,
+                    self.replica.address,
+                    self.session_id,
+                )
+                self.relays_failed = True
+                self.drop_session()
+            except Unavailable:
+                if self.budget.passed() or time.monotonic() > retry_until:
                     raise
                 # Another replica of the same model if there is one (re-prefilled
                 # from the history; one behind an open breaker too, as a trial);
@@ -350,7 +362,7 @@ class TargetLink(_Link):
                     self.pin(other)
             except (InvalidArgument, Internal):
                 raise  # this request's own failure: no retry, no breaker
-            if proposal is not None and proposal.relayed:
+            if relayed:  # its q went only to that target: this step decodes plain
                 proposal, run, dropped = None, 1, True
                 metrics.RELAYED_STEPS.labels("lost").inc()
             await asyncio.sleep(delay)

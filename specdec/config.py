@@ -86,11 +86,11 @@ class ModelServiceConfig:
     decode_batch_wait_ms: float = 8.0
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Draft only: client TLS towards the targets it relays proposals to (the
-    # orchestrator's upstream_tls, as this service's client), and how long a
-    # relayed verify may wait for the target's ack before the proposal goes back
-    # to the orchestrator instead (specdec/transport/relay.py).
+    # orchestrator's upstream_tls, as this service's client), and how long sending
+    # a relay may take before the proposal goes back to the orchestrator instead
+    # (specdec/transport/relay.py).
     relay_tls: TlsConfig = field(default_factory=TlsConfig)
-    relay_ack_timeout_s: float = 0.25
+    relay_send_timeout_s: float = 0.1
 
 
 @dataclass
@@ -164,6 +164,13 @@ class OrchestratorConfig:
     # target (relay): one message and one wake-up of the orchestrator fewer per
     # step. Needs the draft to reach the target replicas at the addresses above.
     relay: bool = True
+    # ... while at most this many requests generate at once (the most in about the
+    # last second). Under heavier load the orchestrator's hop is off the critical
+    # path and relaying measured slower (docs/benchmarks.md, "Relay"); 0: no limit.
+    relay_max_requests: int = 4
+    # How long a relayed verdict may take before the request gives the relay up
+    # (the step decodes plain on a re-opened session; the request relays no more).
+    relay_timeout_s: float = 5.0
     # Tokenizer for text prompts; empty uses the target's model directory.
     tokenizer: str = ""
     # Seconds to wait at start-up for draft and target to answer Info.
@@ -237,6 +244,8 @@ _POSITIVE = {
     "session_ttl_s",
     "draft_timeout_s",
     "target_timeout_s",
+    "relay_timeout_s",
+    "relay_send_timeout_s",
     "max_message_bytes",
     "max_batch_tokens",
     "monitor_window",
@@ -248,6 +257,7 @@ _NON_NEGATIVE = {
     "port",
     "metrics_port",
     "gamma",
+    "relay_max_requests",
     "wire_top_k",
     "max_queued_requests",
     "max_stop_sequences",

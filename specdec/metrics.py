@@ -158,8 +158,9 @@ OVERLAPPED_STEPS = Counter(
 RELAYED_STEPS = Counter(
     "specdec_relayed_steps_total",
     "Sequential steps whose proposal the draft was asked to send straight to the target: "
-    "relayed (the target took it), not_relayed (the proposal came back instead), or "
-    "lost (the target failed before its verdict; the step decoded plain).",
+    "relayed (the draft sent it), not_relayed (the proposal came back instead), or "
+    "lost (no verdict: the target failed, or none within relay_timeout_s; the step "
+    "decoded plain).",
     ["outcome"],
     registry=None,
 )
@@ -243,6 +244,12 @@ SESSION_EVICTIONS = Counter(
     "specdec_model_session_evictions_total",
     "Sessions freed without a close: ttl (idle too long).",
     ["role", "reason"],
+    registry=None,
+)
+RELAY_REFUSALS = Counter(
+    "specdec_model_relay_refusals_total",
+    "Proposals this draft relayed that the target refused (no such session there, or "
+    "the orchestrator had cancelled them).",
     registry=None,
 )
 
@@ -337,6 +344,7 @@ _MODEL_METRICS = (
     ROLLBACKS,
     ROLLED_BACK_TOKENS,
     SESSION_EVICTIONS,
+    RELAY_REFUSALS,
     BATCH_SESSIONS,
     BATCH_TOKENS,
     QUEUE_WAIT,

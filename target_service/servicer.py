@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
 from specdec.transport.relay import RelayInboxes
@@ -29,14 +27,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             yield reply
 
     async def Relay(self, requests, context):
-        """Queue each relayed verify on its session and acknowledge it; the verdict
-        goes out on the session's own stream (``specdec.transport.relay``)."""
+        """Queue each relayed verify on its session; its verdict goes out on the
+        session's own stream. Only a refusal is answered here
+        (``specdec.transport.relay``)."""
         async for m in requests:
             request = target_pb2.TargetRequest(verify=m.verify)
             reason = self.inboxes.deliver(m.relay_token, request, m.verify.seed)
-            if not reason:
-                await asyncio.sleep(0)  # let the session start its verify before the ack
-            yield target_pb2.RelayAck(tag=m.tag, accepted=not reason, reason=reason)
+            if reason:
+                yield target_pb2.RelayAck(tag=m.tag, accepted=False, reason=reason)
 
     async def _open(self, m: common_pb2.OpenSession):
         session = await self.svc.open(m.session_id, m.tokens, params_from_pb(m.params))

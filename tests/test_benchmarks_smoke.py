@@ -167,6 +167,19 @@ def test_sustained_writes_results(tmp_path):
     assert (tmp_path / "sustained.png").stat().st_size > 0
 
 
+def test_relay_side_by_side_writes_results(tmp_path):
+    """``benchmarks.relay``'s concurrent part, one client: both routes measured, the
+    relaying orchestrator did relay, and the report has the row."""
+    _run_module(
+        "benchmarks.relay", "--no-one-client", "--clients", "1", "--repeats", "1",
+        "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["median"]["relay x1"] > 0 and result["median"]["direct x1"] > 0
+    assert result["machine"]["relay_outcomes_unproxied"]["relayed"] > 0
+    assert "| adaptive, 1 clients, T=1, shared |" in (tmp_path / "results.md").read_text()
+
+
 def test_pinning_a_service_pins_every_thread_it_has():
     """Emulating separate machines pins each service's threads, not only its main
     one (gRPC's threads carry every message)."""

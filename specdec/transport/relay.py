@@ -14,9 +14,11 @@ Two pieces, one per side:
   token. The session's stream serves its caller's messages and relayed
   verifies from one queue, in arrival order.
 * ``RelayClient`` (draft): one ``Relay`` stream per target address, shared by
-  every session; each relayed verify waits for its ack (a short deadline), and
-  anything but an ack means "not relayed": the draft then answers with q as
-  usual and the orchestrator verifies itself.
+  every session. A relay is one message: the draft writes it and answers the
+  orchestrator at once; the target answers only refusals. A relay the draft
+  cannot write comes back with q as usual and the orchestrator verifies itself;
+  one written and then lost (refused, or the target died) is bounded by the
+  orchestrator's ``relay_timeout_s``, after which the step decodes plain.
 
 Exactness never depends on the route. A relayed verify is the verify the
 orchestrator would have sent; the one hazard is a relay that arrives after the
@@ -37,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from specdec import metrics
 from specdec.config import TlsConfig
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -88,44 +91,51 @@ class RelayInboxes:
         return ""
 
 
-_RETRY_S = (1.0, 30.0)  # a target that did not ack: no relays to it for 1 s, doubling to 30
+_RETRY_S = (1.0, 30.0)  # a target relays failed to: none to it for 1 s, doubling to 30
 
 
 class RelayClient:
     """The draft's side: relayed verifies to target replicas, one stream each.
 
-    A target that does not acknowledge in time (unreachable from here, TLS that
-    does not match, a stream that broke) gets no relays for a while, so a relay
-    that cannot work costs one ack timeout per back-off, not one per step."""
+    A relay costs one message: the draft writes it and answers its caller at once
+    (``sent``); the target answers only a refusal. A target the draft cannot write
+    to in time, whose stream broke, or that refused a relay for want of the
+    session (the address reached another replica) gets no relays for a while, so
+    a relay that cannot work costs its caller one bounded wait per back-off
+    (``orchestrator.relay_timeout_s``), not one per step."""
 
-    def __init__(self, tls: TlsConfig, max_message_bytes: int, ack_timeout_s: float) -> None:
+    def __init__(self, tls: TlsConfig, max_message_bytes: int, write_timeout_s: float) -> None:
         self.tls = tls
         self.max_message_bytes = max_message_bytes
-        self.ack_timeout_s = ack_timeout_s
+        self.write_timeout_s = write_timeout_s
         self._links: dict[str, _Link] = {}
         self._resting: dict[str, tuple[float, float]] = {}  # address -> (until, back-off)
 
-    async def send(self, address: str, token: bytes, verify: target_pb2.Verify) -> tuple[bool, int]:
-        """Relay ``verify`` to the session ``token`` at ``address``; (accepted, bytes)."""
+    def rest(self, address: str, why: str) -> None:
+        """No relays to ``address`` for a while (doubling while it keeps failing)."""
         loop = asyncio.get_running_loop()
-        until, backoff = self._resting.get(address, (0.0, 0.0))
+        _, backoff = self._resting.get(address, (0.0, 0.0))
+        backoff = min(max(backoff * 2, _RETRY_S[0]), _RETRY_S[1])
+        self._resting[address] = (loop.time() + backoff, backoff)
+        log.warning("relay to %s: %s; none for %.0f s", address, why, backoff)
+
+    async def send(self, address: str, token: bytes, verify: target_pb2.Verify) -> tuple[bool, int]:
+        """Relay ``verify`` to the session ``token`` at ``address``: (sent, bytes)."""
+        loop = asyncio.get_running_loop()
+        until, _ = self._resting.get(address, (0.0, 0.0))
         if loop.time() < until:
             return False, 0
         link = self._links.get(address)
         if link is None or link.broken:
             if link is not None:
                 await link.aclose()
-            link = self._links[address] = _Link(
-                open_channel(address, self.tls, self.max_message_bytes)
-            )
-        accepted, nbytes, answered = await link.send(token, verify, self.ack_timeout_s)
-        if answered:
-            self._resting.pop(address, None)
-        else:
-            backoff = min(max(backoff * 2, _RETRY_S[0]), _RETRY_S[1])
-            self._resting[address] = (loop.time() + backoff, backoff)
-            log.warning("relay to %s unanswered: none for %.0f s", address, backoff)
-        return accepted, nbytes
+            channel = open_channel(address, self.tls, self.max_message_bytes)
+            link = self._links[address] = _Link(channel, lambda why: self.rest(address, why))
+        request = target_pb2.RelayedVerify(relay_token=token, verify=verify)
+        if not await link.send(request, self.write_timeout_s):
+            self.rest(address, "could not send")
+            return False, 0
+        return True, request.ByteSize()
 
     async def aclose(self) -> None:
         for link in self._links.values():
@@ -134,13 +144,13 @@ class RelayClient:
 
 
 class _Link:
-    """One Relay stream: writes serialized, acks matched to their futures by tag."""
+    """One Relay stream: writes serialized; refusals read in the background."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, on_trouble) -> None:
         self.channel = channel
+        self.on_trouble = on_trouble  # why -> None: the address should rest
         self.call = target_pb2_grpc.TargetServiceStub(channel).Relay()
         self.tags = itertools.count(1)
-        self.waiting: dict[int, asyncio.Future] = {}
         self.write_lock = asyncio.Lock()
         self.broken = False
         self.reader = asyncio.get_running_loop().create_task(self._read())
@@ -148,40 +158,28 @@ class _Link:
     async def _read(self) -> None:
         try:
             while (ack := await self.call.read()) is not grpc.aio.EOF:
-                future = self.waiting.pop(ack.tag, None)
-                if future is not None and not future.done():
-                    future.set_result(ack)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            if not isinstance(e, asyncio.CancelledError):
-                log.warning("relay stream to the target ended: %s", e.code().name)
+                metrics.RELAY_REFUSALS.inc()
+                if ack.reason.startswith("no session"):  # another replica at this address
+                    self.on_trouble(f"refused ({ack.reason})")
+                else:
+                    log.debug("relay refused: %s", ack.reason)
+        except grpc.aio.AioRpcError as e:
+            self.on_trouble(f"stream ended ({e.code().name})")
+        except asyncio.CancelledError:
+            pass
         finally:
             self.broken = True
-            for future in self.waiting.values():
-                if not future.done():
-                    future.cancel()
-            self.waiting.clear()
 
-    async def send(
-        self, token: bytes, verify: target_pb2.Verify, timeout: float
-    ) -> tuple[bool, int, bool]:
-        """(accepted, bytes on the wire, whether the target answered at all)."""
-        tag = next(self.tags)
-        future = asyncio.get_running_loop().create_future()
-        self.waiting[tag] = future
-        request = target_pb2.RelayedVerify(relay_token=token, verify=verify, tag=tag)
+    async def send(self, request: target_pb2.RelayedVerify, timeout: float) -> bool:
+        request.tag = next(self.tags)
         try:
             async with asyncio.timeout(timeout):
                 async with self.write_lock:
                     await self.call.write(request)
-                ack = await future
-        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-            if asyncio.current_task().cancelling():
-                raise
-            self.waiting.pop(tag, None)
-            return False, request.ByteSize(), False
-        if not ack.accepted:
-            log.debug("relay refused: %s", ack.reason)
-        return ack.accepted, request.ByteSize() + ack.ByteSize(), True
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            self.broken = True
+            return False
+        return not self.broken
 
     async def aclose(self) -> None:
         self.call.cancel()

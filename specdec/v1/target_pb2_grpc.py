@@ -72,8 +72,9 @@ class TargetServiceServicer:
         """Verifies that draft services send on sessions' behalf (relay): the
         orchestrator asks the draft to pass its proposal straight to the target,
         which takes the orchestrator's hop (a message and a wake-up) out of the
-        step. Each `RelayedVerify` is acknowledged at once; its verdict goes out on
-        the session's own stream, as if the session's caller had sent the verify.
+        step. A relayed verify's verdict goes out on the session's own stream, as
+        if the session's caller had sent the verify; only a refused one is
+        answered here (a `RelayAck` naming why), so a relay costs one message.
         One stream carries the relays of many sessions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
