@@ -84,6 +84,12 @@ class ModelServiceConfig:
     # runs of plain tokens): it comes back after one round trip to the orchestrator
     # and nothing else, which under load takes longer than batch_wait_ms.
     decode_batch_wait_ms: float = 8.0
+    # CPU only: multiply passes of many tokens (batches, verifies, prefills) with
+    # oneDNN's linear where that is faster than torch's stock one, from the pass size
+    # measured at start-up (packed_linear_min_rows 0) or from the size given. Costs
+    # one more copy of the linear weights (specdec/runtime/packed_linear.py).
+    packed_linear: bool = True
+    packed_linear_min_rows: int = 0
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Draft only: client TLS towards the targets it relays proposals to (the
     # orchestrator's upstream_tls, as this service's client), and how long sending
@@ -268,6 +274,7 @@ _NON_NEGATIVE = {
     "target_retry_s",
     "batch_wait_ms",
     "decode_batch_wait_ms",
+    "packed_linear_min_rows",
 }
 
 

@@ -3,7 +3,8 @@
 * 8 concurrent clients with prompts of very different lengths (1 to ~300
   tokens: prefills cut into chunks, verifies and decode steps of several
   sessions in one pass) each get exactly ``generate()``'s greedy output, and
-  the passes really were shared;
+  the passes really were shared; once as calibrated, once with oneDNN's
+  linear for every pass (``specdec.runtime.packed_linear``);
 * the same check against services with a planted padding error (each session
   attends over as many keys as the longest session of its pass) fails;
 * the sampled distribution test passes while other clients load the services.
@@ -109,14 +110,25 @@ def _shared_passes(stack, role: str) -> float:
     return total - single
 
 
-def test_concurrent_clients_with_mixed_lengths_get_generate_exactly(tmp_path, llama_pair):
+# Packing: as calibrated at start-up (on these tiny models, whose weights sit in
+# cache, oneDNN rarely pays), and oneDNN's linear for every pass of both models.
+@pytest.mark.parametrize("packed_from", [0, 1], ids=["calibrated", "packed"])
+def test_concurrent_clients_with_mixed_lengths_get_generate_exactly(
+    tmp_path, llama_pair, packed_from
+):
     draft, target = llama_pair
     vocab = load_model(str(target)).config.vocab_size
     prompts = _prompts(vocab)
     want = _references(target, prompts)
     # A small token budget, so that long prefills are cut into chunks between steps.
     with local_stack(
-        tmp_path, draft, target, target__max_batch_tokens=64, draft__max_batch_tokens=64
+        tmp_path,
+        draft,
+        target,
+        target__max_batch_tokens=64,
+        draft__max_batch_tokens=64,
+        target__packed_linear_min_rows=packed_from,
+        draft__packed_linear_min_rows=packed_from,
     ) as stack:
         got = _concurrent_greedy(stack, prompts)
         shared = _shared_passes(stack, "target")
