@@ -121,7 +121,7 @@ def test_calibration_refuses_a_packed_kernel_that_computes_something_else(monkey
     def planted(self, linear):
         original(self, linear)
         # BROKEN: the oneDNN copy of the weight is off by 1%
-        self._packed = (linear.weight.detach() * 1.01).to_mkldnn()
+        self._packed = packed_linear.pack(linear.weight.detach() * 1.01)
 
     monkeypatch.setattr(PackedLinear, "__init__", planted)
     choice, _ = _calibrate(model)
