@@ -14,6 +14,9 @@
   of many steps after warm-up, draft and target interleaved;
 * v(g) = (time of a target forward over g + 1 tokens) / (one decode step): the
   verify pass is not free on a CPU;
+* both with the linear layers as the services run them: packed for oneDNN
+  from the pass size each model's calibration picks
+  (``specdec.runtime.packed_linear``; ``--stock-linear`` measures torch's own);
 * predicted speedup per gamma from ``specdec.sampling.expected_speedup`` (the
   paper's formula) and, for reference, with the measured verify cost v(g).
 """
@@ -29,6 +32,7 @@ import time
 import torch
 
 from specdec.config import OrchestratorConfig
+from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 from specdec.sampling import (
@@ -261,6 +265,7 @@ def analyze(
     steps: int = 60,
     warmup: int = 10,
     pair=None,
+    packed: bool = True,
 ) -> dict:
     """Everything above as one dict. ``pair`` = (tokenizer, draft, target) reuses loaded models."""
     if threads:
@@ -270,7 +275,16 @@ def analyze(
     )
     t0 = time.perf_counter()
     quality = measure_alpha(tok, draft, target, prompts, temperature, new_tokens)
-    cost = measure_cost(tok, draft, target, prompts, rounds, steps, warmup)
+    packed_from = {}
+    if packed and packed_linear.available(device, next(target.parameters()).dtype):
+        packed_from = {"draft": packed_linear.pack_model(draft)[0]}
+        packed_from["target"] = packed_linear.pack_model(target)[0]
+    try:
+        cost = measure_cost(tok, draft, target, prompts, rounds, steps, warmup)
+    finally:
+        for m in (draft, target):
+            packed_linear.uninstall(m)
+    cost["packed_linear_min_rows"] = packed_from
     alpha = quality["alpha_wire_top_k"]
     rows = predictions(alpha, quality["greedy_agreement"], cost["c"], cost["verify_cost_ratio"])
     # The smallest wire_top_k that keeps alpha within 0.01 of the untruncated q.
@@ -347,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (draft, target each)")
     ap.add_argument("--steps", type=int, default=60, help="timed decode steps per round")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument(
+        "--stock-linear", action="store_true", help="time torch's own linear, not oneDNN's"
+    )
     args = ap.parse_args(argv)
     result = analyze(
         args.draft,
@@ -359,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype,
         args.rounds,
         args.steps,
+        packed=not args.stock_linear,
     )
     print(report(result))
     if args.json:

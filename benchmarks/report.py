@@ -50,6 +50,11 @@ def derive(r: dict) -> None:
             if hf_rows:
                 entry["hf_plain_tok_s"] = hf_rows[f"plain@{t}"]["tok_s"]
                 entry["hf_best_assisted"] = {"name": assisted[0], "tok_s": assisted[1]["tok_s"]}
+            packed_rows = hf.get(f"{hf_key}_packed", {})
+            if packed_rows:  # transformers with the services' packed linear layers
+                pa = _best(packed_rows, t, "assisted")
+                entry["hf_packed_plain_tok_s"] = packed_rows[f"plain@{t}"]["tok_s"]
+                entry["hf_packed_best_assisted"] = {"name": pa[0], "tok_s": pa[1]["tok_s"]}
             g = _gamma(ovl[0])
             entry["overlapped_vs_sequential_same_gamma"] = (
                 ovl[1]["tok_s"] / rows[f"seq{g}@{t}"]["tok_s"] if f"seq{g}@{t}" in rows else None
@@ -214,6 +219,28 @@ def criteria(r: dict) -> list[dict]:
     return out
 
 
+def references(r: dict) -> dict[str, float]:
+    """The issues' comparisons with transformers, against the packed in-process runs."""
+    out = {}
+    d = r.get("derived", {})
+    for section, where, key in (
+        ("services", "shared cores", "best_seq"),
+        ("pinned", "the target's core", "best_overlapped"),
+    ):
+        for _, t, label in TEMPS:
+            e = d.get(section, {}).get(t, {})
+            if "hf_packed_best_assisted" not in e:
+                continue
+            if section == "services":
+                out[f"plain through the target service / packed generate(), {label}"] = (
+                    e["plain_tok_s"] / e["hf_packed_plain_tok_s"]
+                )
+            out[f"specdec {key.replace('_', ' ')} / packed assisted, {where}, {label}"] = (
+                e[key]["tok_s"] / e["hf_packed_best_assisted"]["tok_s"]
+            )
+    return out
+
+
 # ---- Markdown ------------------------------------------------------------------------------
 def _f(x, digits: int = 1) -> str:
     if x is None:
@@ -302,6 +329,15 @@ def markdown(r: dict) -> str:
             for c in r.get("criteria", [])
         ],
     )
+    refs = references(r)
+    if refs:
+        lines += [
+            "References, not goals: transformers in-process with the same oneDNN-packed "
+            "linear layers as the services (`specdec.runtime.packed_linear`), which stock "
+            "transformers does not use:",
+            "",
+        ]
+        lines += _table(["ratio", "measured"], [[k, _f(v, 2)] for k, v in refs.items()])
     an = r.get("analysis")
     if an:
         q, c = an["quality"], an["cost"]
@@ -312,17 +348,31 @@ def markdown(r: dict) -> str:
             f"top-{q['wire_top_k']} with its tail); greedy agreement {q['greedy_agreement']}; "
             f"draft step {c['draft_step_ms']:.3f} ms, target step {c['target_step_ms']:.3f} ms, "
             f"c = {c['c']}; v(g) = "
-            + ", ".join(f"{g}: {v:.2f}" for g, v in c["verify_cost_ratio"].items()),
+            + ", ".join(f"{g}: {v:.2f}" for g, v in c["verify_cost_ratio"].items())
+            + "".join(
+                f"; {role}'s linear layers packed from {n or '(never)'} tokens per pass"
+                for role, n in c.get("packed_linear_min_rows", {}).items()
+            ),
             "",
         ]
     hf = r.get("hf")
     if hf:
         lines += ["## transformers in-process (tok/s)", ""]
         names = list(hf["shared"])
+        packed = "shared_packed" in hf and "target_core_packed" in hf
         lines += _table(
-            ["mode", "both cores, 2 threads", "the target's core, 1 thread"],
+            ["mode", "both cores, 2 threads", "the target's core, 1 thread"]
+            + (["packed, both cores", "packed, the target's core"] if packed else []),
             [
                 [n, round(hf["shared"][n]["tok_s"], 1), round(hf["target_core"][n]["tok_s"], 1)]
+                + (
+                    [
+                        round(hf["shared_packed"][n]["tok_s"], 1),
+                        round(hf["target_core_packed"][n]["tok_s"], 1),
+                    ]
+                    if packed
+                    else []
+                )
                 for n in names
             ],
         )

@@ -11,7 +11,9 @@ spell of the machine hits all of them alike. Sections, in order:
 1. ``analysis``: the pair in-process: alpha, c, v(g) and the cost-model bound.
 2. ``hf``: transformers in-process: plain ``generate()`` and assisted generation
    (``assistant_model=draft``, fixed k and its defaults), on both cores and on
-   one core (what a user with only the target's machine gets).
+   one core (what a user with only the target's machine gets); and, for
+   reference, the same with the services' oneDNN-packed linear layers
+   (``specdec.runtime.packed_linear``), which stock transformers does not use.
 3. ``services``: the three services sharing the machine's cores (the default
    deployment here): plain decoding through the target service (gamma 0),
    sequential and overlapped specdec at every gamma, and adaptive; with the
@@ -52,6 +54,7 @@ from pathlib import Path
 import torch
 
 from specdec.local.proxy import ProxyGroup
+from specdec.runtime import packed_linear
 
 from . import analyze as analyze_mod
 from .common import (
@@ -247,13 +250,19 @@ def hf_generate(target, ids, max_new_tokens: int, temperature: float, seed: int,
     return out.shape[1] - ids.shape[1], time.perf_counter() - t0
 
 
-def hf_benchmark(tok, draft, target, plan: Plan, threads: int, cores: set[int] | None) -> dict:
-    """tok/s of plain and assisted generate() (fixed k, and its defaults) per temperature."""
+def hf_benchmark(
+    tok, draft, target, plan: Plan, threads: int, cores: set[int] | None, packed: bool = False
+) -> dict:
+    """tok/s of plain and assisted generate() (fixed k, and its defaults) per temperature;
+    with ``packed``, both models' linear layers packed as the services pack them."""
     old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
     torch.set_num_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)
     try:
+        if packed:
+            for m in (draft, target):
+                packed_linear.pack_model(m)
         ids = [tok(p, return_tensors="pt")["input_ids"] for p in plan.prompts]
         cfg = draft.generation_config
         defaults = (
@@ -296,6 +305,8 @@ def hf_benchmark(tok, draft, target, plan: Plan, threads: int, cores: set[int] |
             cfg.assistant_confidence_threshold,
         ) = defaults
     finally:
+        for m in (draft, target):
+            packed_linear.uninstall(m)
         torch.set_num_threads(old_threads)
         os.sched_setaffinity(0, old_cores)
     return {name: {"tok_s": median(v), "tok_s_runs": v} for name, v in runs.items()}
@@ -704,6 +715,11 @@ def main(argv: list[str] | None = None) -> int:
         results["hf"] = {
             "shared": hf_benchmark(*pair, plan, threads=2, cores=None),
             "target_core": hf_benchmark(*pair, plan, threads=1, cores={TARGET_CORE}),
+            # For reference: what the services' packed linear layers do for transformers.
+            "shared_packed": hf_benchmark(*pair, plan, threads=2, cores=None, packed=True),
+            "target_core_packed": hf_benchmark(
+                *pair, plan, threads=1, cores={TARGET_CORE}, packed=True
+            ),
         }
         save()
     del pair

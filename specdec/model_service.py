@@ -29,7 +29,7 @@ from specdec.runtime.loading import (
     set_threads,
     tokenizer_fingerprint,
 )
-from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+from specdec.runtime.ragged import Feed, RaggedRunner
 from specdec.sampling import SamplingParams
 from specdec.sessions import Session, SessionStore
 from specdec.wire import PROTOCOL_VERSION, check_tokens
@@ -104,26 +104,16 @@ class ModelService:
         metrics.SESSION_EVICTIONS.labels(self.role, "ttl")
 
     def _pack_linears(self) -> int | None:
-        """On the CPU, multiply passes of many tokens with oneDNN where that is faster
-        (``specdec.runtime.packed_linear``); returns the pass size it starts at, or None."""
+        """On the CPU, multiply with weights packed for oneDNN from the pass size where
+        that is faster (``specdec.runtime.packed_linear``); returns it, or None."""
         cfg = self.cfg
         dtype = next(self.model.parameters()).dtype
         if not cfg.packed_linear or not packed_linear.available(self.runner.device, dtype):
             return None
-        packed_linear.install(self.model)
-        if cfg.packed_linear_min_rows:
-            choice, timings = cfg.packed_linear_min_rows, {}
-            packed_linear.set_min_rows(self.model, choice)
-        else:
-            rows = min(max(packed_linear.CALIBRATION_ROWS), cfg.max_batch_tokens, self.max_context)
-            choice, timings = packed_linear.calibrate(
-                self.model,
-                lambda tokens: self.runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0],
-                rows,
-                self.vocab_size,
-            )
-        if choice is None:
-            packed_linear.uninstall(self.model)
+        rows = min(max(packed_linear.CALIBRATION_ROWS), cfg.max_batch_tokens, self.max_context)
+        choice, timings = packed_linear.pack_model(
+            self.model, self.runner, rows, cfg.packed_linear_min_rows
+        )
         log.info(
             "%s: oneDNN linear for passes of %s (stock / packed ms by tokens per pass: %s)",
             self.role,

@@ -73,6 +73,9 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
         for mode in ("plain", "assisted3", "default"):
             assert results["hf"]["shared"][f"{mode}@{t}"]["tok_s"] > 0
             assert results["hf"]["target_core"][f"{mode}@{t}"]["tok_s"] > 0
+            assert results["hf"]["shared_packed"][f"{mode}@{t}"]["tok_s"] > 0
+            assert results["hf"]["target_core_packed"][f"{mode}@{t}"]["tok_s"] > 0
+    assert "packed_linear_min_rows" in an["cost"]
     for point in results["rtt"].values():
         assert point["rows"]["adaptive@1"]["tok_s"] > 0
     for row in results["concurrency"].values():
@@ -84,6 +87,7 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     assert all(c["value"] is not None for c in results["criteria"])
 
     md = (out / "results.md").read_text()
+    assert "References, not goals" in (out / "results.md").read_text()
     for heading in ("## Criteria", "## Services sharing the cores", "## Added round-trip",
                     "## Concurrent clients", "## The wire"):  # fmt: skip
         assert heading in md, heading

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
 log = logging.getLogger(__name__)
 
 OFF = 1 << 62  # min_rows that no pass reaches
@@ -166,4 +168,27 @@ def calibrate(
         )
         choice = None
     set_min_rows(model, OFF if choice is None else choice)
+    return choice, timings
+
+
+def pack_model(
+    model: nn.Module, runner: RaggedRunner | None = None, max_rows: int = 64, min_rows: int = 0
+) -> tuple[int | None, dict[int, tuple[float, float]]]:
+    """What a model service does at start-up: install ``PackedLinear`` layers, and pack
+    from ``min_rows`` (given) or from the size ``calibrate`` finds, timing ``runner``'s
+    forwards (one is made without its self-test when not given); where packing never
+    pays, the plain layers go back. Returns the choice and the timings."""
+    install(model)
+    if min_rows:
+        set_min_rows(model, min_rows)
+        return min_rows, {}
+    runner = runner or RaggedRunner(model, self_test=False)
+    choice, timings = calibrate(
+        model,
+        lambda tokens: runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0],
+        max_rows,
+        runner.vocab_size,
+    )
+    if choice is None:
+        uninstall(model)
     return choice, timings
