@@ -177,9 +177,11 @@ def start_services(
     dtype: str = "float32",
     threads: int = 2,
     draft_threads: int | None = None,
+    settings: dict[str, dict] | None = None,
 ) -> Stack:
     """Draft, target and orchestrator on free ports (``specdec.local.stack``), logging
-    into ``out/logs``; returns once all three are healthy."""
+    into ``out/logs``; returns once all three are healthy. ``settings``: more config
+    keys per section (``{"target": {"packed_linear": False}}``)."""
     sections = {
         role: {
             "device": device,
@@ -190,6 +192,8 @@ def start_services(
     }
     # Generous: a benchmark must not fall back to plain decoding on a slow step.
     sections["orchestrator"] = {"draft_timeout_s": 10.0, "max_concurrent_requests": 32}
+    for section, keys in (settings or {}).items():
+        sections.setdefault(section, {}).update(keys)
     out.mkdir(parents=True, exist_ok=True)
     path, cfg = write_config(out, draft, target, **sections)
     (out / "services.yaml").write_text(path.read_text())

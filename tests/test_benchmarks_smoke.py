@@ -184,6 +184,24 @@ def test_relay_side_by_side_writes_results(tmp_path):
     assert "| adaptive, 1 clients, T=1, shared |" in (tmp_path / "results.md").read_text()
 
 
+def test_packed_linear_side_by_side_writes_results(tmp_path, llama_pair):
+    """``benchmarks.packed_linear`` on the tiny pair, one client, one mode: pass times
+    of both ways for both models, both stacks streamed tokens, and the report has them."""
+    draft, target = llama_pair
+    _run_module(
+        "benchmarks.packed_linear", "--draft", str(draft), "--target", str(target),
+        "--clients", "1", "--modes", "seq4", "--repeats", "1", "--warm", "0.2",
+        "--window", "0.5", "--passes", "2", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["median"]["1 clients, seq4, stock"] > 0
+    assert result["median"]["1 clients, seq4, packed"] > 0
+    times = result["rates"]["pass_times"]
+    assert all(t["stock"] > 0 and t["packed"] > 0 for m in times.values() for t in m.values())
+    md = (tmp_path / "results.md").read_text()
+    assert "| target | 5x8 |" in md and "| 1 | seq4 |" in md
+
+
 def test_pinning_a_service_pins_every_thread_it_has():
     """Emulating separate machines pins each service's threads, not only its main
     one (gRPC's threads carry every message)."""
