@@ -146,3 +146,18 @@ def test_services_follow_the_packed_linear_settings(llama_pair, settings, packed
         assert bool(layers) == packed
         assert svc.packed_min_rows == (2 if packed else None)
         assert all(m.min_rows == 2 for m in layers)
+
+
+def test_a_model_onednn_cannot_pack_is_served_with_plain_layers(llama_pair, monkeypatch):
+    """Packing that fails (an old CPU, an odd dtype) is a logged fallback, not a failed
+    start: the service comes up with the model's own layers."""
+    draft, target = llama_pair
+
+    def refuse(weight):
+        raise RuntimeError("planted: oneDNN has no kernel for this")
+
+    monkeypatch.setattr(packed_linear, "pack", refuse)
+    svc = Verifier(ModelServiceConfig(model=str(target)), load_model(str(target)), None)
+    assert svc.packed_min_rows is None
+    assert not any(isinstance(m, PackedLinear) for m in svc.model.modules())
+    assert sum(type(m) is nn.Linear for m in svc.model.modules()) > 0

@@ -177,18 +177,23 @@ def pack_model(
     """What a model service does at start-up: install ``PackedLinear`` layers, and pack
     from ``min_rows`` (given) or from the size ``calibrate`` finds, timing ``runner``'s
     forwards (one is made without its self-test when not given); where packing never
-    pays, the plain layers go back. Returns the choice and the timings."""
-    install(model)
-    if min_rows:
-        set_min_rows(model, min_rows)
-        return min_rows, {}
-    runner = runner or RaggedRunner(model, self_test=False)
-    choice, timings = calibrate(
-        model,
-        lambda tokens: runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0],
-        max_rows,
-        runner.vocab_size,
-    )
+    pays, the plain layers go back. Returns the choice and the timings. A oneDNN that
+    cannot pack or run this model's layers leaves them plain (logged), never a failure."""
+    try:
+        install(model)
+        if min_rows:
+            set_min_rows(model, min_rows)
+            return min_rows, {}
+        runner = runner or RaggedRunner(model, self_test=False)
+        choice, timings = calibrate(
+            model,
+            lambda tokens: runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0],
+            max_rows,
+            runner.vocab_size,
+        )
+    except RuntimeError as e:
+        log.warning("packed linear: oneDNN cannot serve this model (%s); packing stays off", e)
+        choice, timings = None, {}
     if choice is None:
         uninstall(model)
     return choice, timings
