@@ -55,7 +55,7 @@ target's loss. So the adaptive requests of the pool run in epochs: mostly under
 the model's choices, and now and then under plain decoding forced, each epoch
 measuring what the requests got (tokens per second of request time). When plain
 decoding measures faster, it leads, and the model's choices get the trial
-epochs instead. It runs only from ``check_min_requests`` requests at once (16 by
+epochs instead. It runs only from ``check_min_requests`` requests at once (8 by
 default): at lower loads its trials and noise cost more than it finds.
 Not for: running steps (``orchestrator.engine``).
 """

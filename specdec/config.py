@@ -129,7 +129,7 @@ class OrchestratorConfig:
     # ... while at least this many requests generate at once (1: at any load). Below
     # it the cost model decides alone: there the check's trials and noise cost more
     # than it finds (docs/benchmarks.md, "The measured check against plain decoding").
-    adaptive_plain_check_min_requests: int = 16
+    adaptive_plain_check_min_requests: int = 8
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so
