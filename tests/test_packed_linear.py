@@ -64,6 +64,8 @@ def test_a_packed_layer_computes_what_the_linear_does(bias):
         packed.min_rows = 4  # the switch is by rows of the pass
         x = torch.randn(3, 48)
         assert torch.equal(packed(x), lin(x))
+        x = torch.randn(48, 6).t()  # a strided view, as a transposed activation would be
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
 def test_installing_keeps_parameters_ties_and_state_dict():

@@ -77,7 +77,7 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features)  # [rows, in]
+        flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
         y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 
