@@ -276,7 +276,7 @@ def analyze(
     t0 = time.perf_counter()
     quality = measure_alpha(tok, draft, target, prompts, temperature, new_tokens)
     packed_from = {}
-    if packed and packed_linear.available(device, next(target.parameters()).dtype):
+    if packed:
         packed_from = {"draft": packed_linear.pack_model(draft)[0]}
         packed_from["target"] = packed_linear.pack_model(target)[0]
     try:

@@ -107,13 +107,14 @@ class ModelService:
         """On the CPU, multiply with weights packed for oneDNN from the pass size where
         that is faster (``specdec.runtime.packed_linear``); returns it, or None."""
         cfg = self.cfg
-        dtype = next(self.model.parameters()).dtype
-        if not cfg.packed_linear or not packed_linear.available(self.runner.device, dtype):
+        if not cfg.packed_linear:
             return None
         rows = min(max(packed_linear.CALIBRATION_ROWS), cfg.max_batch_tokens, self.max_context)
         choice, timings = packed_linear.pack_model(
             self.model, self.runner, rows, cfg.packed_linear_min_rows
         )
+        if choice is None and not timings:  # not on this device or dtype, or it failed
+            return None
         log.info(
             "%s: oneDNN linear for passes of %s (stock / packed ms by tokens per pass: %s)",
             self.role,

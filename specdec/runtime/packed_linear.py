@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV, disagreement
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +150,7 @@ def calibrate(
                 t = time.perf_counter()
                 logits[min_rows] = forward(tokens)
                 times[min_rows] = min(times[min_rows], time.perf_counter() - t)
-        want, got = logits[OFF].double(), logits[0].double()
-        finite = want.isfinite()
-        spread = float(want[finite].std()) if finite.any() else 1.0
-        err = float((got - want)[finite].abs().max()) if finite.any() else 0.0
-        if not torch.equal(got.isfinite(), finite):
-            err = math.inf
-        worst = max(worst, err / (spread or 1.0))
+        worst = max(worst, disagreement(logits[0].double(), logits[OFF].double()))
         stock_s[rows], packed_s[rows] = times[OFF], times[0]
     timings = {r: (stock_s[r], packed_s[r]) for r in stock_s}
     choice = choose_min_rows(stock_s, packed_s) if stock_s else None
@@ -177,8 +171,11 @@ def pack_model(
     """What a model service does at start-up: install ``PackedLinear`` layers, and pack
     from ``min_rows`` (given) or from the size ``calibrate`` finds, timing ``runner``'s
     forwards (one is made without its self-test when not given); where packing never
-    pays, the plain layers go back. Returns the choice and the timings. A oneDNN that
-    cannot pack or run this model's layers leaves them plain (logged), never a failure."""
+    pays, the plain layers go back. Returns the choice and the timings. A model off
+    the CPU, in another dtype, or whose layers oneDNN cannot pack or run (logged) keeps
+    its plain layers: never a failure."""
+    if not available(next(model.parameters()).device, next(model.parameters()).dtype):
+        return None, {}
     try:
         install(model)
         if min_rows:

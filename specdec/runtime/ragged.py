@@ -237,6 +237,19 @@ class Feed:
     logits: int = 1
 
 
+def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference of ``got`` from ``want`` (logits), relative to the spread
+    (standard deviation) of ``want``'s finite values; inf where they are not finite
+    at the same places (a model may mask tokens out with -inf)."""
+    finite = want.isfinite()
+    if not torch.equal(got.isfinite(), finite):
+        return math.inf
+    if not finite.any():
+        return 0.0
+    spread = float(want[finite].std()) or 1.0
+    return float((got - want)[finite].abs().max()) / spread
+
+
 class RaggedRunner:
     """A causal LM run over packed rows of many sessions' new tokens."""
 
@@ -311,11 +324,7 @@ class RaggedRunner:
             ) from e
         got = torch.cat([got_a, got_b, got_last]).double()  # [9, V]
         want = torch.cat([want[n - 6 :], want[3:5], want[n - 1 :]])  # [9, V]
-        finite = want.isfinite()  # a model may mask tokens out with -inf
-        spread = float(want[finite].std()) or 1.0
-        err = float((got - want)[finite].abs().max()) / spread
-        if not torch.equal(got.isfinite(), finite):
-            err = math.inf
+        err = disagreement(got, want)
         dtype = next(self.model.parameters()).dtype
         tolerance = _SELF_TEST_TOLERANCE.get(dtype, 0.25)
         if not err <= tolerance:
