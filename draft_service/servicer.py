@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdec import tracing
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
 from specdec.transport.relay import RelayClient
@@ -45,10 +46,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def _step(self, session, kind: str, m: draft_pb2.DraftRequest):
         if kind == "propose":
+            tracing.mark("propose")
             p = m.propose
             proposal = await self.svc.propose(
                 session, p.cache_len, p.append_tokens, p.gamma, p.seed
             )
+            tracing.mark("drafted")
             out = draft_pb2.Proposal(
                 tokens=proposal.tokens,
                 cache_len=proposal.cache_len,
@@ -66,8 +69,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 out.relayed, out.relay_bytes = await self.relay_client().send(
                     p.relay.target, p.relay.relay_token, verify
                 )
+                tracing.mark("relayed")
             if not out.relayed:
                 out.q.CopyFrom(q)
+            tracing.mark("reply")
             return draft_pb2.DraftReply(proposal=out)
         if kind == "rollback":
             removed = self.svc.rollback(session, m.rollback.cache_len)

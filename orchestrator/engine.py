@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import specdec
-from specdec import metrics
+from specdec import metrics, tracing
 from specdec.config import MAX_GAMMA, Config
 from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from specdec.rng import generator, seeds
@@ -396,6 +396,7 @@ class Generation:
         when its first token is the bonus (``ahead_first``). Otherwise it is
         discarded and the draft rolls back in its next call.
         """
+        tracing.mark("step")
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
         draft_seed, ahead_seed, target_seed = seeds(self.rng, 3)
@@ -415,7 +416,9 @@ class Generation:
                 relay = None
                 if self.o.relay and not self.spec.dense and self.relay_pays():
                     relay = self.target.relay_to(target_seed, pit)
+                tracing.mark("propose")
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
+                tracing.mark("proposed")
                 relayed = proposal is not None and proposal.relayed
                 if relay is not None:
                     metrics.RELAYED_STEPS.labels("relayed" if relayed else "not_relayed").inc()
@@ -449,6 +452,7 @@ class Generation:
                 ahead_task.cancel()
             raise
         t2 = time.perf_counter()
+        tracing.mark("verified")
         if verdict.drafts_dropped:  # a relayed proposal lost with its target: a plain step
             proposal, drafts, relayed = None, [], False
         u = self.rng.random(len(drafts)).tolist()
@@ -494,6 +498,7 @@ class Generation:
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
+        tracing.mark("settled")
         return outcome.tokens
 
     def relay_pays(self) -> bool:

@@ -79,11 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- serve --------------------------------------------------------------------------
 async def _serve(role: str, config_path: str | None, overrides: list[str]) -> None:
-    from specdec import metrics
+    from specdec import metrics, tracing
     from specdec.transport.server import serve_until_signal
 
     cfg = load_config(config_path, overrides)
     section = getattr(cfg, role)
+    tracing.start(role)  # a step timeline, only when SPECDEC_TRACE_DIR is set
     if role == "gateway":
         from gateway.service import serve as serve_gateway
         from gateway.service import serve_until_signal as gateway_until_signal
@@ -115,7 +116,10 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
     # of the collector's full passes while serving, and out of the one at exit (over a
     # second here, on every stop and restart).
     gc.freeze()
-    await serve_until_signal(running, domain, section.grace_period_s)
+    try:
+        await serve_until_signal(running, domain, section.grace_period_s)
+    finally:
+        tracing.close()
 
 
 # ---- up -----------------------------------------------------------------------------

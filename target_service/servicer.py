@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdec import tracing
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
 from specdec.transport.relay import RelayInboxes
@@ -31,6 +32,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         session's own stream. Only a refusal is answered here
         (``specdec.transport.relay``)."""
         async for m in requests:
+            tracing.mark("relay")
             request = target_pb2.TargetRequest(verify=m.verify)
             reason = self.inboxes.deliver(m.relay_token, request, m.verify.seed)
             if reason:
@@ -44,11 +46,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def _step(self, session, kind: str, m: target_pb2.TargetRequest):
         if kind == "verify":
+            tracing.mark("verify")
             v = m.verify
             pending, drafts = self.svc.check_verify(
                 session, v.cache_len, v.pending_tokens, v.draft_tokens
             )
             qs = unpack_q(v.draft_q, self.svc.vocab_size, drafts)
+            tracing.mark("unpacked")
             verdict = await self.svc.verify(
                 session,
                 v.cache_len,
@@ -77,6 +81,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 out.p_at.extend(verdict.p_at)
             if verdict.p is not None:
                 out.dense_p.extend(verdict.p.flatten().tolist())
+            tracing.mark("reply")
             return target_pb2.TargetReply(verdict=out)
         if kind == "rollback":
             removed = self.svc.rollback(session, m.rollback.cache_len)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import tracing
 from specdec.config import MAX_GAMMA
 from specdec.errors import FailedPrecondition, require
 from specdec.model_service import ModelService
@@ -122,6 +123,7 @@ class Verifier(ModelService):
         verdict = verify_draft(
             logits, drafts, qs, session.params, u[: gamma + 1], keep_p=dense_p, pit=pit
         )
+        tracing.mark("judged")
         passes = [forward] if forward is not None else []
         # A plain run: feed each draw and draw the next from the p after it.
         token = verdict.bonus_token

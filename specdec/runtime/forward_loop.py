@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from specdec import tracing
+
 from .ragged import Feed, RaggedRunner
 
 Job = Generator[Feed, torch.Tensor, Any]
@@ -195,6 +197,7 @@ class ForwardLoop:
             if not p.waited:
                 waits.append(start - p.arrived)
                 p.waited = True
+        tracing.mark("forward")
         try:
             logits = self.runner.forward([feed for _, feed in batch])
         except Exception as e:  # the whole forward failed: so does every job in it
@@ -204,6 +207,7 @@ class ForwardLoop:
         if logits and logits[0].is_cuda:  # time the work, not the launch
             torch.cuda.synchronize(logits[0].device)
         seconds = time.perf_counter() - start
+        tracing.mark("forward_end")
         self.last_batch = stats = BatchStats(
             sessions=len(batch),
             tokens=sum(len(f.tokens) for _, f in batch),
