@@ -17,7 +17,7 @@ import numpy as np
 
 from specdec.errors import InvalidArgument, require
 from specdec.runtime.loading import ModelInfo
-from specdec.sampling import Proposal, SamplingParams, SparseQ, drafted_probs
+from specdec.sampling import Proposal, SamplingParams, SparseQ
 from specdec.v1 import common_pb2
 
 # Version of the draft/target session protocol (ModelInfo.protocol_version).
@@ -112,7 +112,9 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
     ids = np.concatenate([q.ids for q in qs])  # [total]
     counts = np.concatenate([q.counts for q in qs])
     row = np.repeat(np.arange(len(qs)), sizes)  # [total] the position of each entry
-    order = np.argsort(row * qs[0].vocab + ids)  # by position, then by id (keys unique)
+    # By position, then by id. The keys are distinct, so any sort gives this order;
+    # numpy's stable sort takes less than half the time of its default on them.
+    order = np.argsort(row * qs[0].vocab + ids, kind="stable")
     ids, counts = ids[order], counts[order]
     deltas = np.diff(ids, prepend=0)
     starts = np.cumsum(sizes) - sizes  # each position's ids count from 0 again
@@ -200,17 +202,20 @@ def unpack_q(
     if first_bad:
         i = min(first_bad)
         raise InvalidArgument(f"{field}[{i}]", first_bad[i])
-    qs = [
-        SparseQ(ids[s:e], counts[s:e], int(t), vocab, bits)
-        for s, e, t in zip(starts.tolist(), ends.tolist(), tails.tolist(), strict=True)
-    ]
-    never = np.flatnonzero(np.asarray(drafted_probs(qs, drafts)) == 0)
-    if never.size:  # each drafted token must be listed, or fall in a tail with mass
+    # Each drafted token must be listed (counts are positive), or fall in a tail with
+    # mass (a tail has unlisted tokens to go to, checked above): q_i(x_i) > 0.
+    listed = np.zeros(gamma, dtype=bool)
+    listed[row[ids == np.asarray(drafts, dtype=np.int64)[row]]] = True
+    never = np.flatnonzero(~listed & (tails == 0))
+    if never.size:
         i = int(never[0])
         raise InvalidArgument(
             f"{field}[{i}]", f"drafted token {drafts[i]} has q = 0; it cannot have been drawn"
         )
-    return qs
+    return [
+        SparseQ(ids[s:e], counts[s:e], int(t), vocab, bits)
+        for s, e, t in zip(starts.tolist(), ends.tolist(), tails.tolist(), strict=True)
+    ]
 
 
 def drop_first_q(pb: common_pb2.PackedQ) -> common_pb2.PackedQ:

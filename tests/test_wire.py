@@ -145,6 +145,23 @@ def test_bad_packings_are_refused_naming_the_field():
         unpack_q(bad_bits, 20, [3])
 
 
+def test_a_drafted_token_needs_mass_at_its_own_position():
+    """An unlisted drafted token is fine where its position has a tail, refused (naming
+    that position) where it has none, whatever the other positions list."""
+    tailed = quantize(np.array([3, 9]), np.array([0.6, 0.3]), 20, 0.0, 16, keep_tail=True)
+    closed = quantize(np.array([4, 9]), np.array([0.6, 0.4]), 20, 0.0, 16, keep_tail=False)
+    assert tailed.tail > 0 and closed.tail == 0
+    pb = pack_q([tailed, closed])
+    assert [q.prob(x) for q, x in zip(unpack_q(pb, 20, [7, 4]), [7, 4], strict=True)] == [
+        tailed.prob(7),
+        closed.prob(4),
+    ]
+    with pytest.raises(InvalidArgument, match=r"^draft_q\[1\]: drafted token 3 has q = 0"):
+        unpack_q(pb, 20, [4, 3])  # 3 is listed at position 0 only
+    with pytest.raises(InvalidArgument, match=r"^draft_q\[1\]: drafted token 7 has q = 0"):
+        unpack_q(pb, 20, [7, 7])
+
+
 def test_point_mass_for_greedy():
     q = SparseQ.point(70_000, QWEN_VOCAB)
     (back,) = unpack_q(pack_q([q]), QWEN_VOCAB, [70_000])
