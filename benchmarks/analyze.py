@@ -14,6 +14,13 @@
   of many steps after warm-up, draft and target interleaved;
 * v(g) = (time of a target forward over g + 1 tokens) / (one decode step): the
   verify pass is not free on a CPU;
+* the same costs as a sequential step meets them (``cost_in_step``): gamma draft
+  steps, each timed, then the verify pass, repeated, so that every draft step
+  follows a target pass as it does in a step. On one machine the target's pass
+  evicts the draft's weights and code from the shared caches, and the first
+  draft step after it takes about twice a warm one; c_step(g) is the draft
+  steps' total over g target decode steps, v_step(g) the verify pass after
+  them. On separate machines the draft keeps its own caches: c holds there;
 * both with the linear layers as the services run them: packed for oneDNN
   from the pass size each model's calibration picks
   (``specdec.runtime.packed_linear``; ``--stock-linear`` measures torch's own);
@@ -226,6 +233,58 @@ def measure_cost(
     }
 
 
+@torch.inference_mode()
+def measure_cost_in_step(tokenizer, draft, target, prompt: str, repeats: int) -> dict:
+    """c and v(g) as a sequential step meets them, on one machine: for each gamma, g
+    draft decode steps (each timed) then a verify pass over g + 1 tokens, in turn,
+    both caches rolled back after each. Relative to a target decode step timed warm
+    (back to back, as plain decoding runs): ``c_step`` = the g draft steps / (g
+    decode steps), ``v_step`` = the verify pass / one decode step (medians), and
+    ``draft_step_ms_by_position`` at the largest gamma."""
+    ids = tokenizer(prompt)["input_ids"]
+    one = forward_times(target, ids, 1, repeats)
+    rd, rt = RaggedRunner(draft), RaggedRunner(target)
+    kd, kt = SessionKV(), SessionKV()
+    rd.forward([Feed(kd, ids, 0)])
+    rt.forward([Feed(kt, ids, 0)])
+    base_d, base_t = kd.length, kt.length
+    device = next(target.parameters()).device
+    c_step, v_step, by_position = {}, {}, []
+    for g in GAMMAS:
+        feed = (ids * (g + 1))[: g + 1]
+        drafts, verifies, positions = [], [], [[] for _ in range(g)]
+        for i in range(repeats + 3):
+            kd.truncate(base_d)
+            spent = 0.0
+            for j in range(g):
+                _sync(device)
+                t0 = time.perf_counter()
+                rd.forward([Feed(kd, [ids[j % len(ids)]], 1)])
+                _sync(device)
+                dt = time.perf_counter() - t0
+                spent += dt
+                if i >= 3:
+                    positions[j].append(dt)
+            kt.truncate(base_t)
+            _sync(device)
+            t0 = time.perf_counter()
+            rt.forward([Feed(kt, feed, g + 1)])
+            _sync(device)
+            if i >= 3:
+                drafts.append(spent)
+                verifies.append(time.perf_counter() - t0)
+        c_step[str(g)] = round(statistics.median(drafts) / (g * one), 4)
+        v_step[str(g)] = round(statistics.median(verifies) / one, 3)
+        by_position = [round(statistics.median(x) * 1e3, 4) for x in positions]
+    return {
+        "target_step_ms": round(one * 1e3, 4),
+        "c_step": c_step,
+        "v_step": v_step,
+        "draft_step_ms_by_position": by_position,
+        "repeats": repeats,
+    }
+
+
 def _iqr_ms(xs: list[float]) -> list[float]:
     q = statistics.quantiles(xs, n=4)
     return [round(q[0] * 1e3, 4), round(q[2] * 1e3, 4)]
@@ -281,6 +340,7 @@ def analyze(
         packed_from["target"] = packed_linear.pack_model(target)[0]
     try:
         cost = measure_cost(tok, draft, target, prompts, rounds, steps, warmup)
+        cost["in_step"] = measure_cost_in_step(tok, draft, target, prompts[0], max(10, steps // 2))
     finally:
         for m in (draft, target):
             packed_linear.uninstall(m)
@@ -332,6 +392,12 @@ def report(a: dict) -> str:
         f"c = {c['c']:.4f}",
         "verify cost v(g) (target forward over g+1 tokens / one decode step): "
         + " ".join(f"{g}:{v:.2f}" for g, v in c["verify_cost_ratio"].items()),
+        "as a step meets them (each draft step after a target pass): c_step(g) "
+        + " ".join(f"{g}:{v:.3f}" for g, v in c["in_step"]["c_step"].items())
+        + "; v_step(g) "
+        + " ".join(f"{g}:{v:.2f}" for g, v in c["in_step"]["v_step"].items())
+        + "; draft step by position (ms) "
+        + " ".join(f"{x:.3f}" for x in c["in_step"]["draft_step_ms_by_position"]),
         "",
         "gamma  E[tokens/step]  speedup   | greedy: E[tokens/step]  speedup | with v(g): T  greedy",
     ]

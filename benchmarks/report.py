@@ -62,6 +62,7 @@ def derive(r: dict) -> None:
             if an:
                 c = an["cost"]["c"]
                 vg = an["cost"]["verify_cost_ratio"]
+                in_step = an["cost"].get("in_step")
                 bounds = {}
                 for name, row in rows.items():
                     if name.startswith("seq") and name.endswith(f"@{t}") and row["alpha"]:
@@ -75,6 +76,17 @@ def derive(r: dict) -> None:
                             "measured": row["tok_s"] / plain,
                             "share_of_bound": row["tok_s"] / plain / b,
                         }
+                        if in_step and str(gamma) in in_step["c_step"]:
+                            # The same bound with each draft step after a target pass,
+                            # as on one machine (benchmarks.analyze, cost_in_step).
+                            bs = bound(
+                                row["alpha"],
+                                gamma,
+                                in_step["c_step"][str(gamma)],
+                                in_step["v_step"][str(gamma)],
+                            )
+                            bounds[name]["bound_in_step"] = bs
+                            bounds[name]["share_of_bound_in_step"] = row["tok_s"] / plain / bs
                 entry["cost_model"] = bounds
             out[t] = entry
         d[section] = out
@@ -355,6 +367,18 @@ def markdown(r: dict) -> str:
             ),
             "",
         ]
+        if c.get("in_step"):
+            st = c["in_step"]
+            lines += [
+                "As a sequential step meets them on one machine (each draft step after a "
+                "target pass): c_step(g) = "
+                + ", ".join(f"{g}: {v:.3f}" for g, v in st["c_step"].items())
+                + "; v_step(g) = "
+                + ", ".join(f"{g}: {v:.2f}" for g, v in st["v_step"].items())
+                + "; draft step by position in the step (ms): "
+                + ", ".join(f"{x:.3f}" for x in st["draft_step_ms_by_position"]),
+                "",
+            ]
     hf = r.get("hf")
     if hf:
         lines += ["## transformers in-process (tok/s)", ""]
@@ -390,7 +414,9 @@ def markdown(r: dict) -> str:
             cm = r.get("derived", {}).get(section, {}).get(t, {}).get("cost_model", {})
             if cm:
                 lines += [
-                    "Cost model (alpha judged in this run, c and v(g) from the analysis):",
+                    "Cost model (alpha judged in this run, c and v(g) from the analysis; "
+                    "in step: c and v(g) with each draft step after a target pass, as on "
+                    "one machine):",
                     "",
                 ]
                 lines += _table(
@@ -401,6 +427,8 @@ def markdown(r: dict) -> str:
                         "paper (v = 1)",
                         "measured",
                         "share of bound",
+                        "bound, in step",
+                        "share, in step",
                     ],  # fmt: skip
                     [
                         [
@@ -410,6 +438,10 @@ def markdown(r: dict) -> str:
                             round(v["paper_formula"], 2),
                             round(v["measured"], 2),
                             round(v["share_of_bound"], 2),
+                            round(v["bound_in_step"], 2) if "bound_in_step" in v else "-",
+                            round(v["share_of_bound_in_step"], 2)
+                            if "share_of_bound_in_step" in v
+                            else "-",
                         ]
                         for k, v in cm.items()
                     ],  # fmt: skip

@@ -76,6 +76,12 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
             assert results["hf"]["shared_packed"][f"{mode}@{t}"]["tok_s"] > 0
             assert results["hf"]["target_core_packed"][f"{mode}@{t}"]["tok_s"] > 0
     assert "packed_linear_min_rows" in an["cost"]
+    in_step = an["cost"]["in_step"]  # c and v(g) with each draft step after a target pass
+    assert set(in_step["c_step"]) == set(in_step["v_step"]) == {str(g) for g in range(1, 9)}
+    assert all(v > 0 for v in in_step["c_step"].values())
+    assert len(in_step["draft_step_ms_by_position"]) == 8
+    cm = results["derived"]["services"]["1"]["cost_model"]
+    assert all(v["bound_in_step"] > 0 for v in cm.values())
     for point in results["rtt"].values():
         assert point["rows"]["adaptive@1"]["tok_s"] > 0
     for row in results["concurrency"].values():
@@ -88,6 +94,7 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
 
     md = (out / "results.md").read_text()
     assert "References, not goals" in (out / "results.md").read_text()
+    assert "share, in step" in md and "c_step(g)" in md
     for heading in ("## Criteria", "## Services sharing the cores", "## Added round-trip",
                     "## Concurrent clients", "## The wire"):  # fmt: skip
         assert heading in md, heading
