@@ -117,7 +117,13 @@ def critical_path(steps: list[list[Mark]]) -> dict:
     [{"from", "to", "kind", "ms"}], "by_kind": {kind: ms}, "draft_forward_ms":
     [median by position]}; empty segments when there are no steps.
     """
-    out: dict = {"steps": len(steps), "shape_steps": 0, "segments": [], "by_kind": {}}
+    out: dict = {
+        "steps": len(steps),
+        "shape_steps": 0,
+        "segments": [],
+        "by_kind": {},
+        "work_by_role": {},
+    }
     if not steps:
         return out
     shapes = collections.Counter(tuple(m.name for m in s) for s in steps)
@@ -127,13 +133,17 @@ def critical_path(steps: list[list[Mark]]) -> dict:
     out["step_ms"] = statistics.median((s[-1].t - s[0].t) * 1e3 for s in steps)
     out["shape_step_ms"] = statistics.median((s[-1].t - s[0].t) * 1e3 for s in chosen)
     by_kind: dict[str, float] = collections.defaultdict(float)
+    work_by_role: dict[str, float] = collections.defaultdict(float)
     for i in range(len(shape) - 1):
         a, b = chosen[0][i], chosen[0][i + 1]
         ms = statistics.median((s[i + 1].t - s[i].t) * 1e3 for s in chosen)
         kind = kind_of(a, b)
         out["segments"].append({"from": a.name, "to": b.name, "kind": kind, "ms": ms})
         by_kind[kind] += ms
+        if kind == "work":
+            work_by_role[a.role] += ms
     out["by_kind"] = dict(by_kind)
+    out["work_by_role"] = dict(work_by_role)
     positions: dict[int, list[float]] = collections.defaultdict(list)
     for s in chosen:
         starts = [m.t for m in s if m.name == "draft:forward"]
@@ -208,7 +218,9 @@ def report(result: dict) -> str:
             f"{r['shape_steps']} of {r['steps']} steps have this shape; step "
             f"{r['shape_step_ms']:.2f} ms (median), of which forwards "
             f"{k.get('forward', 0):.2f}, hops {k.get('hop', 0):.2f}, work "
-            f"{k.get('work', 0):.2f}. Draft forward by position (ms): "
+            f"{k.get('work', 0):.2f} ("
+            + ", ".join(f"{role} {ms:.2f}" for role, ms in r["work_by_role"].items())
+            + "). Draft forward by position (ms): "
             + ", ".join(f"{x:.2f}" for x in r["draft_forward_ms"]),
             "",
             "| segment | kind | median ms |",

@@ -73,6 +73,8 @@ def test_steps_tile_their_wall_time_and_the_usual_shape_wins():
     assert ("draft:reply", "target:relay", "hop") in kinds
     assert ("target:verify", "target:unpacked", "work") in kinds
     assert abs(r["by_kind"]["forward"] - (1.2 + 0.5 + 5.0)) < 1e-6
+    assert abs(sum(r["work_by_role"].values()) - r["by_kind"]["work"]) < 1e-6
+    assert abs(r["work_by_role"]["target"] - (0.1 + 0.1 + 0.2 + 0.2 + 0.1)) < 1e-6
     assert [round(x, 6) for x in r["draft_forward_ms"]] == [1.2, 0.5]
 
 
