@@ -251,7 +251,7 @@ def plot(result: dict, path: Path) -> None:
         ax.barh(0, 0, color=color, label=kind)
     ax.set_yticks(range(len(configs)), configs)
     ax.set_xlabel("ms (segment medians, in step order)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("A typical step, segment by segment")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
