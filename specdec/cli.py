@@ -84,7 +84,6 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
     cfg = load_config(config_path, overrides)
     section = getattr(cfg, role)
-    tracing.start(role)  # a step timeline, only when SPECDEC_TRACE_DIR is set
     if role == "gateway":
         from gateway.service import serve as serve_gateway
         from gateway.service import serve_until_signal as gateway_until_signal
@@ -95,6 +94,7 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         gc.freeze()  # as below
         await gateway_until_signal(gateway, section.grace_period_s)
         return
+    tracing.start(role)  # a step timeline (benchmarks.timeline), only with SPECDEC_TRACE_DIR
     if role == "draft":
         from draft_service.servicer import serve
 
