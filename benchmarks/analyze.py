@@ -14,13 +14,14 @@
   of many steps after warm-up, draft and target interleaved;
 * v(g) = (time of a target forward over g + 1 tokens) / (one decode step): the
   verify pass is not free on a CPU;
-* the same costs as a sequential step meets them (``cost_in_step``): gamma draft
-  steps, each timed, then the verify pass, repeated, so that every draft step
-  follows a target pass as it does in a step. On one machine the target's pass
-  evicts the draft's weights and code from the shared caches, and the first
-  draft step after it takes about twice a warm one; c_step(g) is the draft
-  steps' total over g target decode steps, v_step(g) the verify pass after
-  them. On separate machines the draft keeps its own caches: c holds there;
+* the same costs as a sequential step meets them (``measure_cost_in_step``,
+  ``cost["in_step"]``): gamma draft steps, each timed, then the verify pass,
+  repeated, so that every draft step follows a target pass as it does in a
+  step. On one machine the target's pass evicts the draft's weights and code
+  from the shared caches, and the first draft step after it takes about twice
+  a warm one; c_step(g) is the draft steps' total over g target decode steps,
+  v_step(g) the verify pass after them. On separate machines the draft keeps
+  its own caches: c holds there;
 * both with the linear layers as the services run them: packed for oneDNN
   from the pass size each model's calibration picks
   (``specdec.runtime.packed_linear``; ``--stock-linear`` measures torch's own);

@@ -78,7 +78,7 @@ def derive(r: dict) -> None:
                         }
                         if in_step and str(gamma) in in_step["c_step"]:
                             # The same bound with each draft step after a target pass,
-                            # as on one machine (benchmarks.analyze, cost_in_step).
+                            # as on one machine (benchmarks.analyze.measure_cost_in_step).
                             bs = bound(
                                 row["alpha"],
                                 gamma,
