@@ -52,25 +52,29 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 session, p.cache_len, p.append_tokens, p.gamma, p.seed
             )
             tracing.mark("drafted")
+            q = pack_q(proposal.qs)
+            relayed, relay_bytes = False, 0
+            if p.HasField("relay") and p.relay.target:
+                # Straight to the target, built in place (the relay is on the step's
+                # path; the reply to the orchestrator is not); q comes back to the
+                # orchestrator only if it could not be sent.
+                request = target_pb2.RelayedVerify(relay_token=p.relay.relay_token)
+                verify = request.verify
+                verify.CopyFrom(p.relay.verify)
+                verify.draft_tokens[:] = proposal.tokens
+                verify.draft_q.CopyFrom(q)
+                relayed, relay_bytes = await self.relay_client().send(p.relay.target, request)
+                tracing.mark("relayed")
             out = draft_pb2.Proposal(
                 tokens=proposal.tokens,
                 cache_len=proposal.cache_len,
                 compute_s=proposal.compute_s,
                 forward_s=proposal.forward_s,
                 batch_tokens=proposal.batch_tokens,
+                relayed=relayed,
+                relay_bytes=relay_bytes,
             )
-            q = pack_q(proposal.qs)
-            if p.HasField("relay") and p.relay.target:
-                # Straight to the target; q comes back here only if it could not be sent.
-                verify = target_pb2.Verify()
-                verify.CopyFrom(p.relay.verify)
-                verify.draft_tokens[:] = proposal.tokens
-                verify.draft_q.CopyFrom(q)
-                out.relayed, out.relay_bytes = await self.relay_client().send(
-                    p.relay.target, p.relay.relay_token, verify
-                )
-                tracing.mark("relayed")
-            if not out.relayed:
+            if not relayed:
                 out.q.CopyFrom(q)
             tracing.mark("reply")
             return draft_pb2.DraftReply(proposal=out)

@@ -119,7 +119,9 @@ class Verifier(ModelService):
             logits = torch.cat(rows)  # [gamma + 1, vocab]
         last.logits, last.length = logits[-1], session.length
         pit = pit and not session.params.greedy
-        u = uniforms(seed, max(gamma + 1, run))  # [gamma + 1] or [run]
+        n = max(gamma + 1, run)
+        # Greedy draws nothing (p is one-hot, verify_draft reads no uniform).
+        u = torch.zeros(n, dtype=torch.float64) if session.params.greedy else uniforms(seed, n)
         verdict = verify_draft(
             logits, drafts, qs, session.params, u[: gamma + 1], keep_p=dense_p, pit=pit
         )

@@ -119,8 +119,9 @@ class RelayClient:
         self._resting[address] = (loop.time() + backoff, backoff)
         log.warning("relay to %s: %s; none for %.0f s", address, why, backoff)
 
-    async def send(self, address: str, token: bytes, verify: target_pb2.Verify) -> tuple[bool, int]:
-        """Relay ``verify`` to the session ``token`` at ``address``: (sent, bytes)."""
+    async def send(self, address: str, request: target_pb2.RelayedVerify) -> tuple[bool, int]:
+        """Relay ``request`` (a verify and its session's relay token) to ``address``:
+        (sent, bytes)."""
         loop = asyncio.get_running_loop()
         until, _ = self._resting.get(address, (0.0, 0.0))
         if loop.time() < until:
@@ -131,7 +132,6 @@ class RelayClient:
                 await link.aclose()
             channel = open_channel(address, self.tls, self.max_message_bytes)
             link = self._links[address] = _Link(channel, lambda why: self.rest(address, why))
-        request = target_pb2.RelayedVerify(relay_token=token, verify=verify)
         if not await link.send(request, self.write_timeout_s):
             self.rest(address, "could not send")
             return False, 0
