@@ -45,6 +45,7 @@ from .common import (
     machine_info,
     start_services,
 )
+from .plain_runs import side_by_side_header
 
 ROLES = ("orchestrator", "draft", "target")
 # Configurations by name: <mode><gamma>@<temperature>.
@@ -194,15 +195,12 @@ def run(args) -> dict:
 
 
 def report(result: dict) -> str:
-    m = result["machine"]
-    lines = [
-        "# Step timeline: where a step's wall time goes",
-        "",
-        f"{m['date']}, commit {m['git_commit']}: {m['cpu_model']}, {m['cpu_cores']} cores; "
-        f"load average {', '.join(f'{x:.2f}' for x in m['load_average'])} at the start, "
-        f"{', '.join(f'{x:.2f}' for x in m['load_average_end'])} at the end. "
-        f"{'One core per service (pinned).' if result['args']['pin'] else 'Shared cores.'}",
-        "",
+    lines = side_by_side_header(
+        "Step timeline: where a step's wall time goes",
+        result["machine"],
+        "One core per service (pinned)." if result["args"]["pin"] else "Shared cores.",
+    )
+    lines += [
         "Medians over the steps of each configuration's usual shape; they tile a "
         "typical step (hop: between two services; work: inside one, outside its forwards).",
         "",
