@@ -46,17 +46,15 @@ from .common import (
     start_services,
 )
 from .plain_runs import side_by_side_header
+from .run import pin_stack, spec_configs
 
-ROLES = ("orchestrator", "draft", "target")
-# Configurations by name: <mode><gamma>@<temperature>.
+# make bench's configurations by name (<mode><gamma>@<temperature>): plain and
+# sequential. Adaptive is left out: each request here is seeded, which fixes gamma.
 CONFIGS = {
-    "plain@0": {"temperature": 0.0, "gamma": 0},
-    "plain@1": {"temperature": 1.0, "gamma": 0},
-    **{
-        f"seq{g}@{t}": {"temperature": float(t), "gamma": g, "overlap": False}
-        for g in (1, 2, 3, 4, 5, 6, 8)
-        for t in (0, 1)
-    },
+    name: fields
+    for t in (0.0, 1.0)
+    for name, fields in spec_configs(t, [1, 2, 3, 4, 5, 6, 8], overlap=False).items()
+    if not name.startswith("adaptive")
 }
 
 
@@ -127,9 +125,9 @@ def critical_path(steps: list[list[Mark]]) -> dict:
     }
     if not steps:
         return out
-    shapes = collections.Counter(tuple(m.name for m in s) for s in steps)
-    shape, count = shapes.most_common(1)[0]
-    chosen = [s for s in steps if tuple(m.name for m in s) == shape]
+    shape_of = [tuple(m.name for m in s) for s in steps]
+    shape, count = collections.Counter(shape_of).most_common(1)[0]
+    chosen = [s for s, sh in zip(steps, shape_of, strict=True) if sh == shape]
     out["shape_steps"] = count
     out["step_ms"] = statistics.median((s[-1].t - s[0].t) * 1e3 for s in steps)
     out["shape_step_ms"] = statistics.median((s[-1].t - s[0].t) * 1e3 for s in chosen)
@@ -170,8 +168,6 @@ def run(args) -> dict:
     windows: dict[str, list[tuple[float, float]]] = {c: [] for c in args.configs}
     try:
         if args.pin:
-            from .run import pin_stack
-
             pin_stack(stack)
         client = Client(stack.orchestrator_address)
         for c in args.configs:  # warm every kind of call
