@@ -14,6 +14,9 @@ rotating; medians and paired ratios):
   delay proxy: the relay goes through the target's proxy too), against plain
   decoding (gamma 0) through the same proxies;
 - concurrent clients at T=1 (``--clients``), adaptive, shared cores.
+``--baseline waiting``: the second orchestrator relays too, but without
+drafting on (``orchestrator.draft_on: false``: the draft waits for each
+propose), so the two differ only in drafting on.
 Prints a table; writes results.json and results.md.
 """
 
@@ -46,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="the relaying orchestrator's relay_max_requests (default: the config's)",
+    )
+    ap.add_argument(
+        "--baseline",
+        choices=["direct", "waiting"],
+        default="direct",
+        help="the second orchestrator: no relay (direct), or a relay without drafting on",
     )
     ap.add_argument("--out", default=f"results/relay-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
@@ -84,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
             relay_sets["orchestrator.relay_max_requests"] = args.relay_max_requests
             info["relay_max_requests"] = args.relay_max_requests
         relay_address, relay_metrics = stack.start_orchestrator("orch-relay", d, t, relay_sets)
+        base_sets = {**sets, "orchestrator.relay": False}
+        if args.baseline == "waiting":
+            base_sets = {**relay_sets, "orchestrator.draft_on": False}
+        info["baseline"] = args.baseline
         direct = {
             "relay": relay_address,
-            "direct": stack.start_orchestrator(
-                "orch-direct", d, t, {**sets, "orchestrator.relay": False}
-            )[0],
+            "direct": stack.start_orchestrator("orch-direct", d, t, base_sets)[0],
         }
         pd, pt = proxies.add(d), proxies.add(t)
         proxied = {
             "relay": stack.start_orchestrator("orch-relay-proxied", pd, pt, relay_sets)[0],
-            "direct": stack.start_orchestrator(
-                "orch-direct-proxied", pd, pt, {**sets, "orchestrator.relay": False}
-            )[0],
+            "direct": stack.start_orchestrator("orch-direct-proxied", pd, pt, base_sets)[0],
         }
         if args.no_one_client:
             args.rtts = []
@@ -143,8 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         "Relay: the draft's proposal straight to the target, side by side",
         info,
         f"{args.repeats} interleaved rounds after a warm-up run; medians, and the median "
-        "of the paired per-round ratios. relay = `orchestrator.relay: true` (the default), "
-        "direct = false; one draft and one target behind both.",
+        "of the paired per-round ratios. relay = the defaults (`orchestrator.relay` and "
+        "`draft_on` true), "
+        + (
+            "direct = `relay: false`"
+            if args.baseline == "direct"
+            else "direct = the same relay with `draft_on: false` (the draft waits for each propose)"
+        )
+        + "; one draft and one target behind both.",
     ) + [
         "| | relay tok/s | direct tok/s | relay / direct (medians) | paired | relay / plain |",
         "|---|---|---|---|---|---|",

@@ -10,8 +10,9 @@ set, runs the benchmark prompts one request at a time for each configuration,
 stops the services, and merges their marks into one timeline (one clock: the
 machine's monotonic clock).
 
-A step is the orchestrator's marks from ``step`` to ``settled`` and every mark
-of the other services in between. Consecutive marks tile the step's wall time:
+A step is every mark from one target ``verify`` to the next (``steps_of``:
+the step as the target sees it, which tiles time whatever the route; marks
+off the path dropped). Consecutive marks tile the step's wall time:
 each gap is a *segment*, named by the marks at its ends, and is a forward pass
 (``forward`` to ``forward_end``), a hop (marks of two different services) or
 work inside one service. The report gives each segment's median over the
@@ -34,6 +35,8 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from specdec import tracing
 
@@ -83,24 +86,35 @@ def read_marks(folder: Path) -> list[Mark]:
 
 
 def steps_of(marks: list[Mark]) -> list[list[Mark]]:
-    """The marks of each step: from an orchestrator ``step`` to its ``settled``.
+    """The marks of each step as the target sees it: from one ``target:verify`` to
+    the next (both included), so that steps tile time whatever the route.
 
-    With a relay, the orchestrator learns of the proposal (``proposed``) while the
-    target already works on it: that mark is off the step's path and dropped.
+    Marks off the step's path are dropped. With a relay, the orchestrator learns
+    of the proposal (``proposed``) while the target already works on it. With
+    drafting on (the step has a ``draft:echo``), the draft drafts from the
+    target's echoed verdict while the orchestrator settles and confirms: every
+    orchestrator mark is off the path (a confirmation that comes late shows as
+    the draft's wait for its ``propose``).
     """
     steps, current = [], None
     for m in marks:
-        if m.role == "orchestrator" and m.label == "step":
+        if m.name == "target:verify":
+            if current is not None:
+                current.append(m)
+                steps.append(_on_path(current))
             current = [m]
         elif current is not None:
             current.append(m)
-            if m.role == "orchestrator" and m.label == "settled":
-                relayed = any(x.name == "draft:relayed" for x in current)
-                if relayed:
-                    current = [x for x in current if x.name != "orchestrator:proposed"]
-                steps.append(current)
-                current = None
     return steps
+
+
+def _on_path(step: list[Mark]) -> list[Mark]:
+    names = {m.name for m in step}
+    if "draft:echo" in names:
+        return [m for m in step if m.role != "orchestrator"]
+    if "draft:relayed" in names:
+        return [m for m in step if m.name != "orchestrator:proposed"]
+    return step
 
 
 def kind_of(a: Mark, b: Mark) -> str:
@@ -153,6 +167,18 @@ def critical_path(steps: list[list[Mark]]) -> dict:
     return out
 
 
+def settings(pairs: list[str]) -> dict[str, dict]:
+    """``--set section.key=value`` (a YAML value) as start_services' settings."""
+    out: dict[str, dict] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        section, _, name = key.partition(".")
+        if not (section and name and _):
+            raise SystemExit(f"--set {pair}: want section.key=value")
+        out.setdefault(section, {})[name] = yaml.safe_load(value)
+    return out
+
+
 def run(args) -> dict:
     out = Path(args.out)
     trace_dir = out / "trace"
@@ -162,7 +188,9 @@ def run(args) -> dict:
     info = machine_info("cpu")
     os.environ[tracing.ENV] = str(trace_dir)
     try:
-        stack = start_services(out, args.draft, args.target, threads=1, draft_threads=1)
+        stack = start_services(
+            out, args.draft, args.target, threads=1, draft_threads=1, settings=settings(args.set)
+        )
     finally:
         del os.environ[tracing.ENV]
     windows: dict[str, list[tuple[float, float]]] = {c: [] for c in args.configs}
@@ -260,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--pin", action="store_true", help="one core per service")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config setting of the stack, e.g. orchestrator.draft_on=false (repeatable)",
+    )
     ap.add_argument("--out", default=f"results/timeline-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     result = run(args)

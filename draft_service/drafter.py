@@ -4,22 +4,57 @@ Each drafted token is sampled from q, the draft's warped distribution turned
 into a ``SparseQ`` (its most likely tokens with integer counts, the rest of
 the mass spread over every other token); that SparseQ is exactly what goes on
 the wire, so the orchestrator's acceptance test stays exact.
+
+Drafting on (``draft_on``): when the target echoes a relayed verify's verdict,
+the draft settles the step with the orchestrator's own pure ``settle`` and
+uniforms and starts the next proposal before the orchestrator asks for it.
+``propose`` answers from that head start only when the orchestrator asks for
+exactly it (same cursor and seed, at most as many tokens); anything else is
+drafted anew. The head start never decides anything.
 Not for: gRPC (``draft_service.servicer``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from orchestrator.step import Cursor, settle
+from specdec import metrics
 from specdec.config import MAX_GAMMA
 from specdec.errors import require
 from specdec.model_service import ModelService
 from specdec.rng import generator
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed
-from specdec.sampling import Proposal, SamplingParams, SparseQ, draft_position
+from specdec.sampling import Proposal, SamplingParams, SparseQ, Verdict, draft_position
 from specdec.sessions import Session
 from specdec.wire import WireShape
+
+
+@dataclass
+class HeadStart:
+    """A proposal drafted on an echoed verdict, before its propose came."""
+
+    cache_len: int
+    feed: tuple[int, ...]
+    gamma: int
+    seed: int
+    started: float
+    task: asyncio.Future  # -> Proposal
+
+
+@dataclass
+class DraftState:
+    """What the draft keeps per session besides its cache."""
+
+    shape: WireShape
+    # Counts proposes: an echoed verdict drafts on only if no propose came after the
+    # one it answers.
+    proposes: int = 0
+    head: HeadStart | None = None
 
 
 class Drafter(ModelService):
@@ -27,11 +62,13 @@ class Drafter(ModelService):
 
     def __init__(self, cfg, model=None, tokenizer=None) -> None:
         super().__init__("draft", cfg, model, tokenizer)
+        for outcome in ("used", "discarded", "skipped"):  # 0 on dashboards, not nothing
+            metrics.DRAFTED_ON.labels(outcome)
 
     async def open_draft(
         self, session_id: str, tokens, params: SamplingParams, shape: WireShape
     ) -> Session:
-        return await self.open(session_id, tokens, params, extra=shape.check())
+        return await self.open(session_id, tokens, params, extra=DraftState(shape.check()))
 
     async def propose(
         self, session: Session, cache_len: int, append, gamma: int, seed: int
@@ -41,6 +78,13 @@ class Drafter(ModelService):
         feed = self.check_tokens("append_tokens", append, min_len=1)
         self.check_room("gamma", cache_len + len(feed) + gamma)
         start = time.perf_counter()
+        state: DraftState = session.extra
+        state.proposes += 1
+        head = await self.settle_head(session)
+        if head is not None:
+            proposal = self._from_head(session, head, cache_len, feed, gamma, seed)
+            if proposal is not None:
+                return proposal
         self.roll_back_to(session, cache_len)
         proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
         self.sessions.update_gauges()
@@ -50,7 +94,7 @@ class Drafter(ModelService):
     def _draft(self, session: Session, feed: list[int], gamma: int, seed: int) -> Job:
         """gamma forwards, each drawing x_i from its q_i; x_gamma is not fed."""
         rng = None if session.params.greedy else generator(seed)  # greedy: no draws
-        shape: WireShape = session.extra
+        shape: WireShape = session.extra.shape
         tokens: list[int] = []
         qs: list[SparseQ] = []
         forward_s = batch_tokens = 0.0
@@ -67,3 +111,88 @@ class Drafter(ModelService):
         return Proposal(
             tokens, qs, session.length, forward_s=forward_s, batch_tokens=batch_tokens / gamma
         )
+
+    # ---- drafting on ---------------------------------------------------------------------
+    def draft_on(
+        self,
+        session: Session,
+        proposes: int,
+        cursor: Cursor,
+        drafts: Sequence[int],
+        verdict: Verdict,
+        u: Sequence[float],
+        gamma: int,
+        seed: int,
+    ) -> None:
+        """The verdict on ``drafts`` (drafted from ``cursor`` by propose number
+        ``proposes``) came back: settle the step as the orchestrator will and start
+        drafting ``gamma`` tokens with ``seed`` from the draft's next cursor."""
+        state: DraftState = session.extra
+        if state.proposes != proposes or state.head is not None or session not in self.sessions:
+            metrics.DRAFTED_ON.labels("skipped").inc()
+            return
+        # The target's cursor does not matter here: only the draft's is used.
+        nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
+        if nxt is None or nxt.cache_len > session.length:
+            return
+        if nxt.end + gamma > self.max_context:
+            return
+        self.roll_back_to(session, nxt.cache_len)
+        feed = list(nxt.pending)
+        task = asyncio.ensure_future(self.run(self._draft(session, feed, gamma, seed), "propose"))
+        task.add_done_callback(_consume)
+        state.head = HeadStart(nxt.cache_len, tuple(feed), gamma, seed, time.perf_counter(), task)
+
+    async def settle_head(self, session: Session) -> HeadStart | None:
+        """Take the session's head start, if any, once its drafting is done (or failed:
+        then None). Every operation on the session's cache comes through here first."""
+        state: DraftState = session.extra
+        head, state.head = state.head, None
+        if head is None:
+            return None
+        try:
+            await asyncio.shield(head.task)
+        except Exception:
+            metrics.DRAFTED_ON.labels("discarded").inc()
+            return None
+        return head
+
+    def _from_head(
+        self, session: Session, head: HeadStart, cache_len: int, feed, gamma: int, seed: int
+    ) -> Proposal | None:
+        """The head start's proposal if it is the one asked for (its first ``gamma``
+        tokens: the draws of a longer draft begin with those of a shorter one)."""
+        if (head.cache_len, head.feed, head.seed) != (cache_len, tuple(feed), seed) or (
+            gamma > head.gamma
+        ):
+            metrics.DRAFTED_ON.labels("discarded").inc()
+            return None
+        metrics.DRAFTED_ON.labels("used").inc()
+        proposal: Proposal = head.task.result()
+        if gamma < head.gamma:
+            proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
+            proposal.forward_s *= gamma / head.gamma
+            self.roll_back_to(session, cache_len + len(feed) + gamma - 1)
+            proposal.cache_len = session.length
+        proposal.compute_s = time.perf_counter() - head.started
+        return proposal
+
+    async def rollback_draft(self, session: Session, cache_len: int) -> int:
+        """``rollback``, after the session's head start (discarded)."""
+        session.extra.proposes += 1
+        if await self.settle_head(session) is not None:
+            metrics.DRAFTED_ON.labels("discarded").inc()
+        return self.rollback(session, cache_len)
+
+    def close(self, session: Session) -> bool:
+        head = session.extra.head if isinstance(session.extra, DraftState) else None
+        if head is not None:
+            head.task.cancel()
+            session.extra.head = None
+        return super().close(session)
+
+
+def _consume(task: asyncio.Future) -> None:
+    """A head start nobody awaits may fail or be cancelled quietly."""
+    if not task.cancelled():
+        task.exception()

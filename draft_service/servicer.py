@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.step import Cursor
 from specdec import tracing
-from specdec.config import ModelServiceConfig
-from specdec.errors import InvalidArgument
+from specdec.config import MAX_GAMMA, ModelServiceConfig
+from specdec.errors import InvalidArgument, require
+from specdec.sampling import Verdict
 from specdec.transport.relay import RelayClient
 from specdec.transport.server import RunningServer, start_server
 from specdec.transport.session_stream import session_stream
@@ -48,6 +54,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if kind == "propose":
             tracing.mark("propose")
             p = m.propose
+            draft_on = p.HasField("relay") and p.relay.target and p.relay.HasField("draft_on")
+            if draft_on:
+                self._check_draft_on(p)
             proposal = await self.svc.propose(
                 session, p.cache_len, p.append_tokens, p.gamma, p.seed
             )
@@ -63,7 +72,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 verify.CopyFrom(p.relay.verify)
                 verify.draft_tokens[:] = proposal.tokens
                 verify.draft_q.CopyFrom(q)
-                relayed, relay_bytes = await self.relay_client().send(p.relay.target, request)
+                on_verdict = None
+                if draft_on:
+                    on_verdict = self._draft_on(session, p, proposal.tokens)
+                relayed, relay_bytes = await self.relay_client().send(
+                    p.relay.target, request, on_verdict
+                )
                 tracing.mark("relayed")
             out = draft_pb2.Proposal(
                 tokens=proposal.tokens,
@@ -79,11 +93,46 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tracing.mark("reply")
             return draft_pb2.DraftReply(proposal=out)
         if kind == "rollback":
-            removed = self.svc.rollback(session, m.rollback.cache_len)
+            removed = await self.svc.rollback_draft(session, m.rollback.cache_len)
             return draft_pb2.DraftReply(
                 rolled_back=common_pb2.RolledBack(cache_len=session.length, removed=removed)
             )
         raise InvalidArgument("kind", "a draft session takes open, propose or rollback")
+
+    def _draft_on(self, session, p: draft_pb2.Propose, drafts) -> Callable[[Any], None]:
+        """What to do with this proposal's echoed verdict: draft on (``DraftOn``)."""
+        on = p.relay.draft_on
+        cursor = Cursor(p.cache_len, tuple(p.append_tokens))
+        u, gamma, seed = list(on.uniforms), on.gamma, on.seed
+        proposes = session.extra.proposes
+        # A verdict that never comes (its relay lost) must not keep the session's cache.
+        ref = weakref.ref(session)
+
+        def on_verdict(v: target_pb2.Verdict) -> None:
+            tracing.mark("echo")
+            live = ref()
+            if live is None or len(v.p_draft) != len(drafts):
+                return
+            verdict = Verdict(
+                list(v.p_draft), list(v.q_draft), list(v.residual_tokens), v.bonus_token
+            )
+            self.svc.draft_on(live, proposes, cursor, drafts, verdict, u, gamma, seed)
+
+        return on_verdict
+
+    @staticmethod
+    def _check_draft_on(p: draft_pb2.Propose) -> None:
+        on = p.relay.draft_on
+        require(
+            len(on.uniforms) == p.gamma,
+            "relay.draft_on.uniforms",
+            f"needs one uniform per drafted token ({p.gamma}), got {len(on.uniforms)}",
+        )
+        require(
+            1 <= on.gamma <= MAX_GAMMA,
+            "relay.draft_on.gamma",
+            f"must be in [1, {MAX_GAMMA}], got {on.gamma}",
+        )
 
     async def Info(self, request, context):
         return info_to_pb(self.svc.info)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from specdec.wire import PROTOCOL_VERSION, WireShape, drop_first
 
 from .adaptive import CostModel, PeakLoad, RequestPolicy
 from .monitor import ExactnessMonitor, emitted_terms
+from .ports import DraftOn
 from .replicas import ReplicaPool
 from .requests import RequestSpec
 from .resilience import Budget, DraftLink, TargetLink
@@ -332,6 +334,9 @@ class Generation:
         self.history = list(spec.prompt)
         self.pushed = 0  # tokens handed to the text stream (sent or held back)
         self.rng = generator(spec.seed)
+        # The next step's draft seed is drawn a step early: a draft drafting on
+        # (``DraftOn``) starts the next proposal before this engine asks for it.
+        self.next_draft_seed = seeds(self.rng)[0]
         self.stats = Stats(prompt_tokens=len(spec.prompt), gamma=spec.gamma or 0)
         self.policy = RequestPolicy(orch.cost, spec.gamma, spec.overlap, greedy=spec.params.greedy)
         self.ahead: Proposal | None = None  # the next draft, drafted during the last verify
@@ -399,23 +404,32 @@ class Generation:
         tracing.mark("step")
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
-        draft_seed, ahead_seed, target_seed = seeds(self.rng, 3)
+        draft_seed = self.next_draft_seed
+        ahead_seed, target_seed, self.next_draft_seed = seeds(self.rng, 3)
         proposal, self.ahead = self.ahead, None
         drafted_now = proposal is None
         overlap = False
         plain_run = self.plain_run(remaining)  # tokens of this step if it is plain
         pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
         relayed = False
+        u: list[float] = []  # the acceptance test's uniforms, drawn before any draft
         if proposal is None:
             gamma, overlap = self.policy.choose(remaining - 1, plain_run)
             if gamma and self.draft is not None:
                 if not self.draft.prefilled:  # started plain: open the draft now
                     await self.draft.prefill()
                     t0 = time.perf_counter()  # a one-off, not this step's cost
+                u = self.rng.random(gamma).tolist()
                 # The draft sends the proposal straight to the target when it can.
                 relay = None
                 if self.o.relay and not self.spec.dense and self.relay_pays():
                     relay = self.target.relay_to(target_seed, pit)
+                    if relay is not None and self.o.draft_on and not overlap:
+                        # The next step's proposal, as it will most likely be asked for:
+                        # the same gamma (a smaller one takes its first tokens).
+                        if remaining > gamma + 1:
+                            on = DraftOn(tuple(u), gamma, self.next_draft_seed)
+                            relay = dataclasses.replace(relay, draft_on=on)
                 tracing.mark("propose")
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
                 tracing.mark("proposed")
@@ -429,6 +443,7 @@ class Generation:
                         target_seed = fallback_seed(target_seed)
         else:  # drafted during the last verify; keep drafting ahead if it pays
             overlap = self.policy.choose(remaining - 1)[1]
+            u = self.rng.random(len(proposal.tokens)).tolist()
         drafts = proposal.tokens if proposal is not None else []
         t1 = time.perf_counter()
         ahead_task = None
@@ -455,7 +470,7 @@ class Generation:
         tracing.mark("verified")
         if verdict.drafts_dropped:  # a relayed proposal lost with its target: a plain step
             proposal, drafts, relayed = None, [], False
-        u = self.rng.random(len(drafts)).tolist()
+        u = u[: len(drafts)]  # none if the draft failed or its relay was lost
         next_proposal = await ahead_task if ahead_task is not None else None
         outcome = settle(
             self.target.cursor,

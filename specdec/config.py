@@ -177,6 +177,11 @@ class OrchestratorConfig:
     # How long a relayed verdict may take before the request gives the relay up
     # (the step decodes plain on a re-opened session; the request relays no more).
     relay_timeout_s: float = 5.0
+    # With a relay, the target also echoes the verdict to the draft, which settles
+    # the step as the orchestrator will and drafts the next step at once; the next
+    # propose is answered from that draft when it asks for the same (DraftOn in
+    # protos/specdec/v1/draft.proto). Takes the orchestrator off the step's path.
+    draft_on: bool = True
     # Tokenizer for text prompts; empty uses the target's model directory.
     tokenizer: str = ""
     # Seconds to wait at start-up for draft and target to answer Info.

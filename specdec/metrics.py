@@ -246,6 +246,14 @@ SESSION_EVICTIONS = Counter(
     ["role", "reason"],
     registry=None,
 )
+DRAFTED_ON = Counter(
+    "specdec_model_drafted_on_total",
+    "Drafts started on a verdict the target echoed, before their propose came: used "
+    "(the propose asked for them), discarded (it asked for something else, or the "
+    "session ended first), or skipped (a newer propose had come already).",
+    ["outcome"],
+    registry=None,
+)
 RELAY_REFUSALS = Counter(
     "specdec_model_relay_refusals_total",
     "Proposals this draft relayed that the target refused (no such session there, or "
@@ -345,6 +353,7 @@ _MODEL_METRICS = (
     ROLLED_BACK_TOKENS,
     SESSION_EVICTIONS,
     RELAY_REFUSALS,
+    DRAFTED_ON,
     BATCH_SESSIONS,
     BATCH_TOKENS,
     QUEUE_WAIT,

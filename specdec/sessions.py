@@ -41,6 +41,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session: Session) -> bool:
+        return self._sessions.get(session.session_id) is session
+
     def add(self, session: Session) -> None:
         if session.session_id in self._sessions:
             raise AlreadyExists(f"session_id: session {session.session_id!r} already exists")

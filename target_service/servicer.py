@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 from specdec import tracing
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
@@ -29,14 +32,36 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Relay(self, requests, context):
         """Queue each relayed verify on its session; its verdict goes out on the
-        session's own stream. Only a refusal is answered here
-        (``specdec.transport.relay``)."""
-        async for m in requests:
-            tracing.mark("relay")
-            request = target_pb2.TargetRequest(verify=m.verify)
-            reason = self.inboxes.deliver(m.relay_token, request, m.verify.seed)
-            if reason:
-                yield target_pb2.RelayAck(tag=m.tag, accepted=False, reason=reason)
+        session's own stream. A refusal is answered here, and so is the verdict of a
+        relay that asks for an echo (``specdec.transport.relay``)."""
+        acks: asyncio.Queue = asyncio.Queue()
+
+        def echo(tag: int, verdict: target_pb2.Verdict) -> None:
+            acks.put_nowait(target_pb2.RelayAck(tag=tag, accepted=True, verdict=verdict))
+
+        async def read() -> None:
+            try:
+                async for m in requests:
+                    tracing.mark("relay")
+                    request = target_pb2.TargetRequest(verify=m.verify)
+                    back = functools.partial(echo, m.tag) if m.echo else None
+                    reason = self.inboxes.deliver(m.relay_token, request, m.verify.seed, back)
+                    if reason:
+                        acks.put_nowait(
+                            target_pb2.RelayAck(tag=m.tag, accepted=False, reason=reason)
+                        )
+                acks.put_nowait(None)
+            except Exception as e:  # the stream broke: the handler ends with it
+                acks.put_nowait(e)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (ack := await acks.get()) is not None:
+                if isinstance(ack, Exception):
+                    raise ack
+                yield ack
+        finally:
+            reader.cancel()
 
     async def _open(self, m: common_pb2.OpenSession):
         session = await self.svc.open(m.session_id, m.tokens, params_from_pb(m.params))

@@ -99,7 +99,8 @@ class _Relayed:
 
 @pytest.fixture(scope="module")
 def ab_stack(tmp_path_factory, llama_pair):
-    """One draft and target; the stack's orchestrator relays, a second one does not."""
+    """One draft and target; the stack's orchestrator relays (and the draft drafts on),
+    a second one does not relay, a third relays without drafting on."""
     draft, target = llama_pair
     with local_stack(tmp_path_factory.mktemp("relay-ab"), draft, target) as stack:
         direct, _ = stack.start_orchestrator(
@@ -108,15 +109,27 @@ def ab_stack(tmp_path_factory, llama_pair):
             stack.address("target"),
             {"orchestrator.relay": False},
         )
-        yield stack, direct
+        waiting, _ = stack.start_orchestrator(
+            "waiting",
+            stack.address("draft"),
+            stack.address("target"),
+            {"orchestrator.draft_on": False},
+        )
+        yield stack, direct, waiting
+
+
+def _drafted_on(stack, outcome: str) -> float:
+    return stack.metric("draft", "specdec_model_drafted_on_total", f'outcome="{outcome}"')
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
-    """Same seed, same draws: relayed steps emit exactly what direct ones do,
-    greedy and sampled, for every gamma."""
-    stack, direct = ab_stack
+    """Same seed, same draws: relayed steps emit exactly what direct ones do, and
+    drafting on (the draft settles each step itself from the echoed verdict and
+    drafts the next) changes nothing either, greedy and sampled, for every gamma."""
+    stack, direct, waiting = ab_stack
     before = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
+    used = _drafted_on(stack, "used")
     for gamma in (1, 3, 6):
         for seed in (1, 2):
             fields = dict(
@@ -130,8 +143,11 @@ def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
             relayed, _, _ = stack.generate_raw(**fields)
             plain, _, _ = stack.generate_raw(address=direct, **fields)
             assert relayed == plain, (gamma, seed)
+            assert stack.generate_raw(address=waiting, **fields)[0] == plain, (gamma, seed)
     after = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
-    assert after - before >= 6 * 5  # every request relayed (at least 5 steps each)
+    assert after - before >= 2 * 6 * 5  # every request relayed (at least 5 steps each)
+    # Nearly every step after the first was drafted before the orchestrator asked.
+    assert _drafted_on(stack, "used") - used >= 6 * 3
 
 
 def test_a_relay_left_unconfirmed_never_changes_the_output(tmp_path, llama_pair):

@@ -32,6 +32,17 @@ class WireCounter(Protocol):
 
 
 @dataclass(frozen=True)
+class DraftOn:
+    """The draft drafts the next step as soon as the target echoes this one's verdict:
+    this step's uniforms (it settles the step as ``settle`` will here), and the next
+    step's gamma and draft seed as this engine expects to ask for them."""
+
+    uniforms: tuple[float, ...]  # [gamma] this step's
+    gamma: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class RelayTo:
     """Where a draft sends its proposal straight on (relay), and the rest of the
     verify: the target session's replica and token, its cursor, the verify's seed."""
@@ -41,6 +52,7 @@ class RelayTo:
     cursor: Cursor  # the target's cursor
     seed: int
     pit: bool = False
+    draft_on: DraftOn | None = None
 
 
 class DraftSession(Protocol):

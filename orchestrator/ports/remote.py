@@ -90,6 +90,10 @@ class RemoteDraftSession:
             v.cache_len = relay.cursor.cache_len
             v.pending_tokens[:] = relay.cursor.pending
             v.seed, v.return_pit = relay.seed, relay.pit
+            if relay.draft_on is not None:
+                on = to.draft_on
+                on.uniforms[:] = relay.draft_on.uniforms
+                on.gamma, on.seed = relay.draft_on.gamma, relay.draft_on.seed
         p = (await self.stream.ask(draft_pb2.DraftRequest(propose=propose), timeout)).proposal
         if len(p.tokens) != gamma:
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")

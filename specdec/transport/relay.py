@@ -20,6 +20,11 @@ Two pieces, one per side:
   one written and then lost (refused, or the target died) is bounded by the
   orchestrator's ``relay_timeout_s``, after which the step decodes plain.
 
+A relay may ask for its verdict back (``echo``): the target hands it to the
+relay stream it came on before the session's reply goes out, and the draft
+settles the step with it and drafts on (``DraftOn`` in draft.proto). An echo
+is only ever a head start: the orchestrator's next propose decides.
+
 Exactness never depends on the route. A relayed verify is the verify the
 orchestrator would have sent; the one hazard is a relay that arrives after the
 orchestrator gave up on it and moved on. The orchestrator names such relays by
@@ -35,6 +40,8 @@ import collections
 import itertools
 import logging
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -48,6 +55,18 @@ from .channels import open_channel
 log = logging.getLogger(__name__)
 
 _CANCELLED_KEPT = 8  # per session: seeds of relays its caller gave up on
+_ECHOES_KEPT = 1024  # per target link: relays whose verdict is still to come
+
+
+Echo = Callable[[Any], None]  # a relayed verify's verdict, back to the draft that sent it
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A relayed request whose verdict also goes back to its sender (``echo``)."""
+
+    request: Any
+    echo: Echo
 
 
 class Inbox:
@@ -80,14 +99,15 @@ class RelayInboxes:
     def close(self, inbox: Inbox) -> None:
         self._by_token.pop(inbox.token, None)
 
-    def deliver(self, token: bytes, request: Any, seed: int) -> str:
-        """Queue a relayed request on its session; '' if queued, else why not."""
+    def deliver(self, token: bytes, request: Any, seed: int, echo: Echo | None = None) -> str:
+        """Queue a relayed request on its session; '' if queued, else why not.
+        ``echo``: also hand the reply's verdict to it (before the reply goes out)."""
         inbox = self._by_token.get(token)
         if inbox is None:
             return "no session with this relay token here"
         if seed in inbox.cancelled:
             return "the session's caller cancelled this relay"
-        inbox.queue.put_nowait(request)
+        inbox.queue.put_nowait(request if echo is None else Relayed(request, echo))
         return ""
 
 
@@ -119,9 +139,15 @@ class RelayClient:
         self._resting[address] = (loop.time() + backoff, backoff)
         log.warning("relay to %s: %s; none for %.0f s", address, why, backoff)
 
-    async def send(self, address: str, request: target_pb2.RelayedVerify) -> tuple[bool, int]:
+    async def send(
+        self,
+        address: str,
+        request: target_pb2.RelayedVerify,
+        on_verdict: Callable[[target_pb2.Verdict], None] | None = None,
+    ) -> tuple[bool, int]:
         """Relay ``request`` (a verify and its session's relay token) to ``address``:
-        (sent, bytes)."""
+        (sent, bytes). ``on_verdict``: the target echoes the verdict, and this gets it
+        (called on the event loop; never if the relay is refused or lost)."""
         loop = asyncio.get_running_loop()
         until, _ = self._resting.get(address, (0.0, 0.0))
         if loop.time() < until:
@@ -132,7 +158,7 @@ class RelayClient:
                 await link.aclose()
             channel = open_channel(address, self.tls, self.max_message_bytes)
             link = self._links[address] = _Link(channel, lambda why: self.rest(address, why))
-        if not await link.send(request, self.write_timeout_s):
+        if not await link.send(request, self.write_timeout_s, on_verdict):
             self.rest(address, "could not send")
             return False, 0
         return True, request.ByteSize()
@@ -153,11 +179,17 @@ class _Link:
         self.tags = itertools.count(1)
         self.write_lock = asyncio.Lock()
         self.broken = False
+        self.echoes: dict[int, Callable] = {}  # tag -> who gets its verdict (oldest first)
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
         try:
             while (ack := await self.call.read()) is not grpc.aio.EOF:
+                on_verdict = self.echoes.pop(ack.tag, None)
+                if ack.accepted:
+                    if on_verdict is not None:
+                        on_verdict(ack.verdict)
+                    continue
                 metrics.RELAY_REFUSALS.inc()
                 if ack.reason.startswith("no session"):  # another replica at this address
                     self.on_trouble(f"refused ({ack.reason})")
@@ -170,16 +202,23 @@ class _Link:
         finally:
             self.broken = True
 
-    async def send(self, request: target_pb2.RelayedVerify, timeout: float) -> bool:
+    async def send(self, request: target_pb2.RelayedVerify, timeout: float, on_verdict) -> bool:
         request.tag = next(self.tags)
+        if on_verdict is not None:
+            request.echo = True
+            self.echoes[request.tag] = on_verdict
+            if len(self.echoes) > _ECHOES_KEPT:  # verdicts that never came (lost relays)
+                del self.echoes[next(iter(self.echoes))]
         try:
             async with asyncio.timeout(timeout):
                 async with self.write_lock:
                     await self.call.write(request)
         except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
             self.broken = True
+        if self.broken:
+            self.echoes.pop(request.tag, None)
             return False
-        return not self.broken
+        return True
 
     async def aclose(self) -> None:
         self.call.cancel()

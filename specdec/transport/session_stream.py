@@ -9,7 +9,8 @@ Both model services use it with their own ``open`` and ``step`` handlers.
 With ``inboxes`` (the target), the session also takes verifies a draft service
 relays on its behalf (``specdec.transport.relay``): the caller's messages and
 relayed ones are served from one queue in arrival order, and the reply to
-``open`` carries the session's relay token.
+``open`` carries the session's relay token. A relayed verify that asks for an
+echo hands its verdict to the relay stream it came on first.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from specdec.errors import DeadlineExceeded, require
 from specdec.model_service import ModelService
 from specdec.sessions import Session
 
-from .relay import Inbox, RelayInboxes
+from .relay import Inbox, Relayed, RelayInboxes
 
 OpenHandler = Callable[[Any], Awaitable[tuple[Session, Any]]]
 StepHandler = Callable[[Session, str, Any], Awaitable[Any]]
@@ -43,6 +44,7 @@ async def session_stream(
     reader: asyncio.Task | None = None
     try:
         while True:
+            echo = None
             try:
                 async with asyncio.timeout(ttl_s):
                     if inbox is None:
@@ -51,6 +53,8 @@ async def session_stream(
                         msg = await inbox.queue.get()
                         if isinstance(msg, BaseException):
                             raise msg
+                        if isinstance(msg, Relayed):
+                            msg, echo = msg.request, msg.echo
             except StopAsyncIteration:
                 return
             except TimeoutError:
@@ -73,6 +77,11 @@ async def session_stream(
             else:
                 require(kind != "open", "open", "the session is already open")
                 reply = await on_step(session, kind, msg)
+                if echo is not None and reply.WhichOneof("kind") == "verdict":
+                    # The draft's head start: its copy goes first (a turn of the loop
+                    # lets the relay stream write it before this reply).
+                    echo(reply.verdict)
+                    await asyncio.sleep(0)
             yield reply
     finally:
         if reader is not None:

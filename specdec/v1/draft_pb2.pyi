@@ -43,14 +43,26 @@ class Propose(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ...) -> None: ...
 
 class RelayTo(_message.Message):
-    __slots__ = ("target", "relay_token", "verify")
+    __slots__ = ("target", "relay_token", "verify", "draft_on")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     RELAY_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ON_FIELD_NUMBER: _ClassVar[int]
     target: str
     relay_token: bytes
     verify: _target_pb2.Verify
-    def __init__(self, target: _Optional[str] = ..., relay_token: _Optional[bytes] = ..., verify: _Optional[_Union[_target_pb2.Verify, _Mapping]] = ...) -> None: ...
+    draft_on: DraftOn
+    def __init__(self, target: _Optional[str] = ..., relay_token: _Optional[bytes] = ..., verify: _Optional[_Union[_target_pb2.Verify, _Mapping]] = ..., draft_on: _Optional[_Union[DraftOn, _Mapping]] = ...) -> None: ...
+
+class DraftOn(_message.Message):
+    __slots__ = ("uniforms", "gamma", "seed")
+    UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    uniforms: _containers.RepeatedScalarFieldContainer[float]
+    gamma: int
+    seed: int
+    def __init__(self, uniforms: _Optional[_Iterable[float]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes")

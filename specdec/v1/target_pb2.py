@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"U\n\rRelayedVerify\x12\x13\n\x0brelay_token\x18\x01 \x01(\x0c\x12\"\n\x06verify\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Verify\x12\x0b\n\x03tag\x18\x03 \x01(\x04\"9\n\x08RelayAck\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x90\x01\n\rTargetRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specdec.v1.OpenSessionH\x00\x12$\n\x06verify\x18\x02 \x01(\x0b\x32\x12.specdec.v1.VerifyH\x00\x12(\n\x08rollback\x18\x03 \x01(\x0b\x32\x14.specdec.v1.RollbackH\x00\x42\x06\n\x04kind\"\x99\x01\n\x0bTargetReply\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionOpenedH\x00\x12&\n\x07verdict\x18\x02 \x01(\x0b\x32\x13.specdec.v1.VerdictH\x00\x12-\n\x0brolled_back\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RolledBackH\x00\x42\x06\n\x04kind\"\xd4\x01\n\x06Verify\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x16\n\x0epending_tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12$\n\x07\x64raft_q\x18\x04 \x01(\x0b\x32\x13.specdec.v1.PackedQ\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0ereturn_dense_p\x18\x06 \x01(\x08\x12\x12\n\nreturn_pit\x18\x07 \x01(\x08\x12\x12\n\nrun_tokens\x18\x08 \x01(\r\x12\x15\n\rcancel_relays\x18\t \x03(\x04\"\xfd\x01\n\x07Verdict\x12\x0f\n\x07p_draft\x18\x01 \x03(\x02\x12\x0f\n\x07q_draft\x18\x02 \x03(\x01\x12\x17\n\x0fresidual_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x11\n\tcache_len\x18\x05 \x01(\x05\x12\x0f\n\x07\x64\x65nse_p\x18\x06 \x03(\x02\x12\x11\n\tcompute_s\x18\x07 \x01(\x02\x12\x12\n\nmass_above\x18\x08 \x03(\x01\x12\x0c\n\x04p_at\x18\t \x03(\x01\x12\x11\n\tforward_s\x18\n \x01(\x02\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x05\x12\x12\n\nrun_tokens\x18\x0c \x03(\x05\x12\x0c\n\x04seed\x18\r \x01(\x04\x32\xc8\x01\n\rTargetService\x12\x41\n\x07Session\x12\x19.specdec.v1.TargetRequest\x1a\x17.specdec.v1.TargetReply(\x01\x30\x01\x12<\n\x05Relay\x12\x19.specdec.v1.RelayedVerify\x1a\x14.specdec.v1.RelayAck(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"c\n\rRelayedVerify\x12\x13\n\x0brelay_token\x18\x01 \x01(\x0c\x12\"\n\x06verify\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Verify\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x12\x0c\n\x04\x65\x63ho\x18\x04 \x01(\x08\"_\n\x08RelayAck\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12$\n\x07verdict\x18\x04 \x01(\x0b\x32\x13.specdec.v1.Verdict\"\x90\x01\n\rTargetRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specdec.v1.OpenSessionH\x00\x12$\n\x06verify\x18\x02 \x01(\x0b\x32\x12.specdec.v1.VerifyH\x00\x12(\n\x08rollback\x18\x03 \x01(\x0b\x32\x14.specdec.v1.RollbackH\x00\x42\x06\n\x04kind\"\x99\x01\n\x0bTargetReply\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionOpenedH\x00\x12&\n\x07verdict\x18\x02 \x01(\x0b\x32\x13.specdec.v1.VerdictH\x00\x12-\n\x0brolled_back\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RolledBackH\x00\x42\x06\n\x04kind\"\xd4\x01\n\x06Verify\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x16\n\x0epending_tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12$\n\x07\x64raft_q\x18\x04 \x01(\x0b\x32\x13.specdec.v1.PackedQ\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0ereturn_dense_p\x18\x06 \x01(\x08\x12\x12\n\nreturn_pit\x18\x07 \x01(\x08\x12\x12\n\nrun_tokens\x18\x08 \x01(\r\x12\x15\n\rcancel_relays\x18\t \x03(\x04\"\xfd\x01\n\x07Verdict\x12\x0f\n\x07p_draft\x18\x01 \x03(\x02\x12\x0f\n\x07q_draft\x18\x02 \x03(\x01\x12\x17\n\x0fresidual_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x11\n\tcache_len\x18\x05 \x01(\x05\x12\x0f\n\x07\x64\x65nse_p\x18\x06 \x03(\x02\x12\x11\n\tcompute_s\x18\x07 \x01(\x02\x12\x12\n\nmass_above\x18\x08 \x03(\x01\x12\x0c\n\x04p_at\x18\t \x03(\x01\x12\x11\n\tforward_s\x18\n \x01(\x02\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x05\x12\x12\n\nrun_tokens\x18\x0c \x03(\x05\x12\x0c\n\x04seed\x18\r \x01(\x04\x32\xc8\x01\n\rTargetService\x12\x41\n\x07Session\x12\x19.specdec.v1.TargetRequest\x1a\x17.specdec.v1.TargetReply(\x01\x30\x01\x12<\n\x05Relay\x12\x19.specdec.v1.RelayedVerify\x1a\x14.specdec.v1.RelayAck(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RELAYEDVERIFY']._serialized_start=64
-  _globals['_RELAYEDVERIFY']._serialized_end=149
-  _globals['_RELAYACK']._serialized_start=151
-  _globals['_RELAYACK']._serialized_end=208
-  _globals['_TARGETREQUEST']._serialized_start=211
-  _globals['_TARGETREQUEST']._serialized_end=355
-  _globals['_TARGETREPLY']._serialized_start=358
-  _globals['_TARGETREPLY']._serialized_end=511
-  _globals['_VERIFY']._serialized_start=514
-  _globals['_VERIFY']._serialized_end=726
-  _globals['_VERDICT']._serialized_start=729
-  _globals['_VERDICT']._serialized_end=982
-  _globals['_TARGETSERVICE']._serialized_start=985
-  _globals['_TARGETSERVICE']._serialized_end=1185
+  _globals['_RELAYEDVERIFY']._serialized_end=163
+  _globals['_RELAYACK']._serialized_start=165
+  _globals['_RELAYACK']._serialized_end=260
+  _globals['_TARGETREQUEST']._serialized_start=263
+  _globals['_TARGETREQUEST']._serialized_end=407
+  _globals['_TARGETREPLY']._serialized_start=410
+  _globals['_TARGETREPLY']._serialized_end=563
+  _globals['_VERIFY']._serialized_start=566
+  _globals['_VERIFY']._serialized_end=778
+  _globals['_VERDICT']._serialized_start=781
+  _globals['_VERDICT']._serialized_end=1034
+  _globals['_TARGETSERVICE']._serialized_start=1037
+  _globals['_TARGETSERVICE']._serialized_end=1237
 # @@protoc_insertion_point(module_scope)

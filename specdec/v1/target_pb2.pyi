@@ -8,24 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RelayedVerify(_message.Message):
-    __slots__ = ("relay_token", "verify", "tag")
+    __slots__ = ("relay_token", "verify", "tag", "echo")
     RELAY_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     relay_token: bytes
     verify: Verify
     tag: int
-    def __init__(self, relay_token: _Optional[bytes] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., tag: _Optional[int] = ...) -> None: ...
+    echo: bool
+    def __init__(self, relay_token: _Optional[bytes] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., tag: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class RelayAck(_message.Message):
-    __slots__ = ("tag", "accepted", "reason")
+    __slots__ = ("tag", "accepted", "reason", "verdict")
     TAG_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     accepted: bool
     reason: str
-    def __init__(self, tag: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    verdict: Verdict
+    def __init__(self, tag: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("open", "verify", "rollback")

@@ -73,9 +73,11 @@ class TargetServiceServicer:
         orchestrator asks the draft to pass its proposal straight to the target,
         which takes the orchestrator's hop (a message and a wake-up) out of the
         step. A relayed verify's verdict goes out on the session's own stream, as
-        if the session's caller had sent the verify; only a refused one is
-        answered here (a `RelayAck` naming why), so a relay costs one message.
-        One stream carries the relays of many sessions.
+        if the session's caller had sent the verify; a refused one is answered
+        here (a `RelayAck` naming why), so a relay costs one message. A relay
+        that asks for it (`echo`) also gets its verdict here, sent before the
+        session's own reply: the draft settles the step with it and drafts on
+        (draft.proto, `DraftOn`). One stream carries the relays of many sessions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,188 @@
+"""Drafting on (``DraftOn``): the draft settles a step from the target's echoed
+verdict and drafts the next proposal before the orchestrator asks. A head start
+may only ever answer the propose it equals; anything else is drafted anew, and
+nothing about it may leak into the cache or outlive the session.
+
+In-process: a real draft and target (the tiny llama pair) on one event loop.
+Through gRPC, ``tests/test_relay.py`` checks that drafting on changes no token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from draft_service.drafter import Drafter
+from orchestrator.step import Cursor, settle
+from specdec import metrics
+from specdec.config import ModelServiceConfig
+from specdec.runtime.loading import load_model, load_tokenizer
+from specdec.sampling import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.wire import WireShape
+from target_service.verifier import Verifier
+
+PROMPT = [3, 9, 27, 4, 8]
+SHAPE = WireShape(16, 0.0, 16)
+
+
+def _outcome(name: str) -> float:
+    return metrics.DRAFTED_ON.labels(name)._value.get()
+
+
+class Pair:
+    """A draft and a target service's domain objects, started on this loop."""
+
+    def __init__(self, pair) -> None:
+        draft_dir, target_dir = pair
+        tok = load_tokenizer(str(target_dir))
+        cfg = ModelServiceConfig(max_batch_tokens=512)
+        self.draft = Drafter(cfg, load_model(str(draft_dir)), tok)
+        self.target = Verifier(cfg, load_model(str(target_dir)), tok)
+        self.draft.start()
+        self.target.start()
+
+    async def aclose(self) -> None:
+        await self.draft.aclose()
+        await self.target.aclose()
+
+
+async def _first_step(p: Pair, params: SamplingParams, sid: str, gamma: int = 3):
+    """Open both sessions and run one step by hand: (draft session, draft cursor,
+    drafts, verdict)."""
+    d = await p.draft.open_draft(sid, PROMPT[:-1], params, SHAPE)
+    t = await p.target.open(sid, PROMPT[:-1], params)
+    cursor = Cursor.fresh(PROMPT)
+    proposal = await p.draft.propose(d, cursor.cache_len, cursor.pending, gamma, 11)
+    verdict = await p.target.verify(
+        t, cursor.cache_len, list(cursor.pending), proposal.tokens, proposal.qs, 12
+    )
+    return d, cursor, proposal.tokens, verdict
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_head_start_answers_exactly_the_propose_it_equals(llama_pair, temperature):
+    """The next proposal drafted on an echoed verdict equals the one drafted when
+    asked: same tokens, same q, same cache; a shorter ask takes its first tokens."""
+    params = SamplingParams(temperature=temperature)
+    u = [0.3, 0.6, 0.9]
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            for ask in (3, 2):
+                # Reference: the orchestrator's settle, then an ordinary propose.
+                ref, cursor, drafts, verdict = await _first_step(p, params, f"ref{ask}")
+                nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
+                want = await p.draft.propose(ref, nxt.cache_len, nxt.pending, ask, 21)
+
+                head, cursor, drafts, verdict = await _first_step(p, params, f"head{ask}")
+                proposes = head.extra.proposes
+                used = _outcome("used")
+                p.draft.draft_on(head, proposes, cursor, drafts, verdict, u, 3, 21)
+                assert head.extra.head is not None
+                got = await p.draft.propose(head, nxt.cache_len, nxt.pending, ask, 21)
+                assert _outcome("used") == used + 1
+                assert got.tokens == want.tokens
+                assert [(q.ids.tolist(), q.counts.tolist()) for q in got.qs] == [
+                    (q.ids.tolist(), q.counts.tolist()) for q in want.qs
+                ]
+                assert got.cache_len == want.cache_len == head.length == ref.length
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_head_start_that_is_not_asked_for_is_drafted_anew(llama_pair):
+    """Another seed or cursor, or more tokens than drafted: the head start is
+    discarded and the propose answered as if it had never been."""
+    params = SamplingParams(temperature=1.0)
+    u = [0.1, 0.2, 0.3]
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            ref, cursor, drafts, verdict = await _first_step(p, params, "ref")
+            nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
+            asks = [(nxt.cache_len, nxt.pending, 3, 99), (nxt.cache_len, nxt.pending, 4, 21)]
+            wants = []
+            for ask in asks:
+                wants.append((await p.draft.propose(ref, *ask)).tokens)
+            for ask, want in zip(asks, wants, strict=True):
+                s, cursor, drafts, verdict = await _first_step(p, params, f"s{ask[2]}{ask[3]}")
+                p.draft.draft_on(s, s.extra.proposes, cursor, drafts, verdict, u, 3, 21)
+                discarded = _outcome("discarded")
+                assert (await p.draft.propose(s, *ask)).tokens == want
+                assert _outcome("discarded") == discarded + 1
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_late_echo_is_skipped_and_a_head_start_never_outlives_its_session(llama_pair):
+    """An echo that comes after a newer propose drafts nothing; a rollback waits for
+    a head start and drops it; closing a session cancels its head start."""
+    params = SamplingParams(temperature=1.0)
+    u = [0.5, 0.5, 0.5]
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            s, cursor, drafts, verdict = await _first_step(p, params, "late")
+            stale = s.extra.proposes
+            await p.draft.propose(s, cursor.cache_len, cursor.pending, 2, 5)  # a newer one
+            skipped = _outcome("skipped")
+            p.draft.draft_on(s, stale, cursor, drafts, verdict, u, 3, 21)
+            assert s.extra.head is None and _outcome("skipped") == skipped + 1
+
+            s, cursor, drafts, verdict = await _first_step(p, params, "rolled")
+            p.draft.draft_on(s, s.extra.proposes, cursor, drafts, verdict, u, 3, 21)
+            assert await p.draft.rollback_draft(s, cursor.cache_len) >= 0
+            assert s.extra.head is None and s.length == cursor.cache_len
+
+            s, cursor, drafts, verdict = await _first_step(p, params, "closed")
+            p.draft.draft_on(s, s.extra.proposes, cursor, drafts, verdict, u, 3, 21)
+            task = s.extra.head.task
+            assert p.draft.close(s)
+            await asyncio.sleep(0.05)
+            assert task.cancelled() or task.done()
+            assert p.draft.loop.queued == 0 and len(p.draft.sessions) == 2
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def test_draft_on_fields_are_validated_by_name(llama_stack):
+    """A DraftOn whose uniforms do not match gamma, or whose gamma is out of range,
+    is INVALID_ARGUMENT naming the field."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(llama_stack.address("draft")) as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            cases = [
+                (draft_pb2.DraftOn(uniforms=[0.5], gamma=2, seed=1), "relay.draft_on.uniforms"),
+                (draft_pb2.DraftOn(uniforms=[0.5] * 2, gamma=0, seed=1), "relay.draft_on.gamma"),
+            ]
+            for i, (on, field) in enumerate(cases):
+                call = stub.Session()
+                await call.write(
+                    draft_pb2.DraftRequest(
+                        open=common_pb2.OpenSession(session_id=f"v{i}", tokens=[1, 2])
+                    )
+                )
+                await call.read()
+                relay = draft_pb2.RelayTo(target="127.0.0.1:1", relay_token=b"t" * 16, draft_on=on)
+                propose = draft_pb2.Propose(
+                    cache_len=1, append_tokens=[2], gamma=2, seed=3, relay=relay
+                )
+                await call.write(draft_pb2.DraftRequest(propose=propose))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field in e.value.details()
+
+    asyncio.run(go())
