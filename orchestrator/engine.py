@@ -424,12 +424,14 @@ class Generation:
                 relay = None
                 if self.o.relay and not self.spec.dense and self.relay_pays():
                     relay = self.target.relay_to(target_seed, pit)
-                    if relay is not None and self.o.draft_on and not overlap:
-                        # The next step's proposal, as it will most likely be asked for:
-                        # the same gamma (a smaller one takes its first tokens).
-                        if remaining > gamma + 1:
-                            on = DraftOn(tuple(u), gamma, self.next_draft_seed)
-                            relay = dataclasses.replace(relay, draft_on=on)
+                    # The draft drafts the next step on the target's echo, as it will
+                    # most likely be asked for: the same gamma (a smaller one takes its
+                    # first tokens). Not while drafting ahead, nor with rollbacks
+                    # between steps, nor in what may be the last step.
+                    wait = overlap or self.o.explicit_rollback or remaining <= gamma + 1
+                    if relay is not None and self.o.draft_on and not wait:
+                        on = DraftOn(tuple(u), gamma, self.next_draft_seed)
+                        relay = dataclasses.replace(relay, draft_on=on)
                 tracing.mark("propose")
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
                 tracing.mark("proposed")
