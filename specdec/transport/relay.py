@@ -188,7 +188,10 @@ class _Link:
                 on_verdict = self.echoes.pop(ack.tag, None)
                 if ack.accepted:
                     if on_verdict is not None:
-                        on_verdict(ack.verdict)
+                        try:
+                            on_verdict(ack.verdict)
+                        except Exception:  # a head start lost; the relays go on
+                            log.exception("relay: acting on an echoed verdict failed")
                     continue
                 metrics.RELAY_REFUSALS.inc()
                 if ack.reason.startswith("no session"):  # another replica at this address
