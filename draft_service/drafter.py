@@ -44,6 +44,7 @@ class HeadStart:
     seed: int
     started: float
     task: asyncio.Future  # -> Proposal
+    limit: list[int]  # [tokens to draft]: lowered when a propose asks for fewer
 
 
 @dataclass
@@ -52,8 +53,10 @@ class DraftState:
 
     shape: WireShape
     # Counts proposes: an echoed verdict drafts on only if no propose came after the
-    # one it answers.
+    # one it answers (a propose drafted ahead does not count; see ``ahead_of``).
     proposes: int = 0
+    ahead_of: int = -1  # the count a propose drafted ahead last followed
+    running: int = 0  # proposes drafting now
     head: HeadStart | None = None
 
 
@@ -71,34 +74,44 @@ class Drafter(ModelService):
         return await self.open(session_id, tokens, params, extra=DraftState(shape.check()))
 
     async def propose(
-        self, session: Session, cache_len: int, append, gamma: int, seed: int
+        self, session: Session, cache_len: int, append, gamma: int, seed: int, ahead=False
     ) -> Proposal:
-        """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens."""
+        """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens.
+        ``ahead``: drafted while the target verifies the last proposal."""
         require(1 <= gamma <= MAX_GAMMA, "gamma", f"must be in [1, {MAX_GAMMA}], got {gamma}")
         feed = self.check_tokens("append_tokens", append, min_len=1)
         self.check_room("gamma", cache_len + len(feed) + gamma)
         start = time.perf_counter()
         state: DraftState = session.extra
-        state.proposes += 1
-        head = await self.settle_head(session)
+        if ahead:
+            state.ahead_of = state.proposes
+        else:
+            state.proposes += 1
+        head = await self.settle_head(session, (cache_len, tuple(feed), gamma, seed))
         if head is not None:
-            proposal = self._from_head(session, head, cache_len, feed, gamma, seed)
-            if proposal is not None:
-                return proposal
+            return self._from_head(session, head, cache_len, feed, gamma)
         self.roll_back_to(session, cache_len)
-        proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
+        state.running += 1
+        try:
+            proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
+        finally:
+            state.running -= 1
         self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
         return proposal
 
-    def _draft(self, session: Session, feed: list[int], gamma: int, seed: int) -> Job:
-        """gamma forwards, each drawing x_i from its q_i; x_gamma is not fed."""
+    def _draft(self, session: Session, feed: list[int], gamma: int, seed: int, limit=None) -> Job:
+        """gamma forwards, each drawing x_i from its q_i; x_gamma is not fed.
+        ``limit``: [n], read before each forward: stop after n tokens (the first n
+        draws of a longer draft with one seed are those of the shorter one)."""
         rng = None if session.params.greedy else generator(seed)  # greedy: no draws
         shape: WireShape = session.extra.shape
         tokens: list[int] = []
         qs: list[SparseQ] = []
         forward_s = batch_tokens = 0.0
-        for _ in range(gamma):
+        for i in range(gamma):
+            if limit is not None and i >= limit[0]:
+                break
             logits = yield Feed(session.kv, feed, 1)  # [1, vocab]
             forward_s += self.loop.last_batch.seconds
             batch_tokens += self.loop.last_batch.tokens
@@ -109,7 +122,7 @@ class Drafter(ModelService):
             qs.append(q)
             feed = [x]
         return Proposal(
-            tokens, qs, session.length, forward_s=forward_s, batch_tokens=batch_tokens / gamma
+            tokens, qs, session.length, forward_s=forward_s, batch_tokens=batch_tokens / len(tokens)
         )
 
     # ---- drafting on ---------------------------------------------------------------------
@@ -128,50 +141,62 @@ class Drafter(ModelService):
         ``proposes``) came back: settle the step as the orchestrator will and start
         drafting ``gamma`` tokens with ``seed`` from the draft's next cursor."""
         state: DraftState = session.extra
-        if state.proposes != proposes or state.head is not None or session not in self.sessions:
+        busy = state.head is not None or state.running or session not in self.sessions
+        if state.proposes != proposes or busy:
             metrics.DRAFTED_ON.labels("skipped").inc()
             return
         # The target's cursor does not matter here: only the draft's is used.
-        nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
+        outcome = settle(Cursor(0, ()), cursor, drafts, verdict, u)
+        if state.ahead_of == proposes and outcome.accepted == len(drafts):
+            return  # every draft accepted: the block drafted ahead serves
+        nxt = outcome.draft
         if nxt is None or nxt.cache_len > session.length:
             return
         if nxt.end + gamma > self.max_context:
             return
         self.roll_back_to(session, nxt.cache_len)
-        feed = list(nxt.pending)
-        task = asyncio.ensure_future(self.run(self._draft(session, feed, gamma, seed), "propose"))
+        feed, limit = list(nxt.pending), [gamma]
+        job = self._draft(session, feed, gamma, seed, limit)
+        task = asyncio.ensure_future(self.run(job, "propose"))
         task.add_done_callback(_consume)
-        state.head = HeadStart(nxt.cache_len, tuple(feed), gamma, seed, time.perf_counter(), task)
+        state.head = HeadStart(
+            nxt.cache_len, tuple(feed), gamma, seed, time.perf_counter(), task, limit
+        )
 
-    async def settle_head(self, session: Session) -> HeadStart | None:
-        """Take the session's head start, if any, once its drafting is done (or failed:
-        then None). Every operation on the session's cache comes through here first."""
+    async def settle_head(self, session: Session, asked=None) -> HeadStart | None:
+        """Take the session's head start, if any. If it is what ``asked`` (cache_len,
+        feed, gamma, seed) asks for (the same cursor and seed, at most as many
+        tokens), it is returned once drafted (drafting no more than asked);
+        otherwise it is stopped after its current forward, and None returned.
+        Every operation on the session's cache comes through here first."""
         state: DraftState = session.extra
         head, state.head = state.head, None
         if head is None:
             return None
-        try:
-            await asyncio.shield(head.task)
-        except Exception:
-            metrics.DRAFTED_ON.labels("discarded").inc()
-            return None
-        return head
+        if asked is not None:
+            cache_len, feed, gamma, seed = asked
+            same = (head.cache_len, head.feed, head.seed) == (cache_len, feed, seed)
+            if same and gamma <= head.gamma:
+                head.limit[0] = gamma
+                try:
+                    await asyncio.shield(head.task)
+                    metrics.DRAFTED_ON.labels("used").inc()
+                    return head
+                except Exception:
+                    pass
+        head.task.cancel()
+        await asyncio.wait([head.task])
+        metrics.DRAFTED_ON.labels("discarded").inc()
+        return None
 
     def _from_head(
-        self, session: Session, head: HeadStart, cache_len: int, feed, gamma: int, seed: int
-    ) -> Proposal | None:
-        """The head start's proposal if it is the one asked for (its first ``gamma``
-        tokens: the draws of a longer draft begin with those of a shorter one)."""
-        if (head.cache_len, head.feed, head.seed) != (cache_len, tuple(feed), seed) or (
-            gamma > head.gamma
-        ):
-            metrics.DRAFTED_ON.labels("discarded").inc()
-            return None
-        metrics.DRAFTED_ON.labels("used").inc()
+        self, session: Session, head: HeadStart, cache_len: int, feed, gamma: int
+    ) -> Proposal:
+        """The head start's proposal, cut to ``gamma`` tokens if it drafted more."""
         proposal: Proposal = head.task.result()
-        if gamma < head.gamma:
+        if gamma < len(proposal.tokens):
+            proposal.forward_s *= gamma / len(proposal.tokens)
             proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
-            proposal.forward_s *= gamma / head.gamma
             self.roll_back_to(session, cache_len + len(feed) + gamma - 1)
             proposal.cache_len = session.length
         proposal.compute_s = time.perf_counter() - head.started
@@ -180,8 +205,7 @@ class Drafter(ModelService):
     async def rollback_draft(self, session: Session, cache_len: int) -> int:
         """``rollback``, after the session's head start (discarded)."""
         session.extra.proposes += 1
-        if await self.settle_head(session) is not None:
-            metrics.DRAFTED_ON.labels("discarded").inc()
+        await self.settle_head(session)
         return self.rollback(session, cache_len)
 
     def close(self, session: Session) -> bool:

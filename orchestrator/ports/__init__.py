@@ -65,9 +65,11 @@ class DraftSession(Protocol):
         seed: int,
         timeout: float | None,
         relay: RelayTo | None = None,
+        ahead: bool = False,
     ) -> Proposal:
         """A draft from ``cursor``; with ``relay``, also sent on to the target (the
-        proposal says whether the target took it: ``Proposal.relayed``)."""
+        proposal says whether the target took it: ``Proposal.relayed``). ``ahead``:
+        drafted while the target verifies the last draft (``Propose.ahead``)."""
         ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
