@@ -426,9 +426,11 @@ class Generation:
                     relay = self.target.relay_to(target_seed, pit)
                     # The draft drafts the next step on the target's echo, as it will
                     # most likely be asked for: the same gamma (a smaller one takes its
-                    # first tokens); when drafting ahead too, only after a rejection.
-                    # Not with rollbacks between steps, nor in what may be the last step.
-                    wait = self.o.explicit_rollback or remaining <= gamma + 1
+                    # first tokens). Not while drafting ahead: the echo may reach the
+                    # draft before the propose that drafts ahead, and the two would
+                    # want the cache at different lengths. Nor with rollbacks between
+                    # steps, nor in what may be the last step.
+                    wait = overlap or self.o.explicit_rollback or remaining <= gamma + 1
                     if relay is not None and self.o.draft_on and not wait:
                         on = DraftOn(tuple(u), gamma, self.next_draft_seed)
                         relay = dataclasses.replace(relay, draft_on=on)
