@@ -53,10 +53,8 @@ class DraftState:
 
     shape: WireShape
     # Counts proposes: an echoed verdict drafts on only if no propose came after the
-    # one it answers (a propose drafted ahead does not count; see ``ahead_of``).
+    # one it answers (none is drafting, then, and the cache is the one it left).
     proposes: int = 0
-    ahead_of: int = -1  # the count a propose drafted ahead last followed
-    running: int = 0  # proposes drafting now
     head: HeadStart | None = None
 
 
@@ -74,28 +72,20 @@ class Drafter(ModelService):
         return await self.open(session_id, tokens, params, extra=DraftState(shape.check()))
 
     async def propose(
-        self, session: Session, cache_len: int, append, gamma: int, seed: int, ahead=False
+        self, session: Session, cache_len: int, append, gamma: int, seed: int
     ) -> Proposal:
-        """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens.
-        ``ahead``: drafted while the target verifies the last proposal."""
+        """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens."""
         require(1 <= gamma <= MAX_GAMMA, "gamma", f"must be in [1, {MAX_GAMMA}], got {gamma}")
         feed = self.check_tokens("append_tokens", append, min_len=1)
         self.check_room("gamma", cache_len + len(feed) + gamma)
         start = time.perf_counter()
         state: DraftState = session.extra
-        if ahead:
-            state.ahead_of = state.proposes
-        else:
-            state.proposes += 1
+        state.proposes += 1
         head = await self.settle_head(session, (cache_len, tuple(feed), gamma, seed))
         if head is not None:
-            return self._from_head(session, head, cache_len, feed, gamma)
+            return self._from_head(session, head, gamma)
         self.roll_back_to(session, cache_len)
-        state.running += 1
-        try:
-            proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
-        finally:
-            state.running -= 1
+        proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
         self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
         return proposal
@@ -141,15 +131,12 @@ class Drafter(ModelService):
         ``proposes``) came back: settle the step as the orchestrator will and start
         drafting ``gamma`` tokens with ``seed`` from the draft's next cursor."""
         state: DraftState = session.extra
-        busy = state.head is not None or state.running or session not in self.sessions
-        if state.proposes != proposes or busy:
+        live = state.head is None and session in self.sessions
+        if state.proposes != proposes or not live:
             metrics.DRAFTED_ON.labels("skipped").inc()
             return
         # The target's cursor does not matter here: only the draft's is used.
-        outcome = settle(Cursor(0, ()), cursor, drafts, verdict, u)
-        if state.ahead_of == proposes and outcome.accepted == len(drafts):
-            return  # every draft accepted: the block drafted ahead serves
-        nxt = outcome.draft
+        nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
         if nxt is None or nxt.cache_len > session.length:
             return
         if nxt.end + gamma > self.max_context:
@@ -189,15 +176,13 @@ class Drafter(ModelService):
         metrics.DRAFTED_ON.labels("discarded").inc()
         return None
 
-    def _from_head(
-        self, session: Session, head: HeadStart, cache_len: int, feed, gamma: int
-    ) -> Proposal:
+    def _from_head(self, session: Session, head: HeadStart, gamma: int) -> Proposal:
         """The head start's proposal, cut to ``gamma`` tokens if it drafted more."""
         proposal: Proposal = head.task.result()
         if gamma < len(proposal.tokens):
             proposal.forward_s *= gamma / len(proposal.tokens)
             proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
-            self.roll_back_to(session, cache_len + len(feed) + gamma - 1)
+            self.roll_back_to(session, head.cache_len + len(head.feed) + gamma - 1)
             proposal.cache_len = session.length
         proposal.compute_s = time.perf_counter() - head.started
         return proposal

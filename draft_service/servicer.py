@@ -58,7 +58,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if draft_on:
                 self._check_draft_on(p)
             proposal = await self.svc.propose(
-                session, p.cache_len, p.append_tokens, p.gamma, p.seed, p.ahead
+                session, p.cache_len, p.append_tokens, p.gamma, p.seed
             )
             tracing.mark("drafted")
             q = pack_q(proposal.qs)

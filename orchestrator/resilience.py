@@ -172,7 +172,7 @@ class DraftLink(_Link):
                 return None
             try:
                 proposal = await self.session.propose(
-                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s), ahead=True
+                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
                 )
             except SpecdecError as e:
                 if self.budget.passed():

@@ -9,7 +9,6 @@ Through gRPC, ``tests/test_relay.py`` checks that drafting on changes no token."
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import grpc
 import pytest
@@ -151,35 +150,6 @@ def test_a_late_echo_is_skipped_and_a_head_start_never_outlives_its_session(llam
             await asyncio.sleep(0.05)
             assert task.cancelled() or task.done()
             assert p.draft.loop.queued == 0 and len(p.draft.sessions) == 2
-        finally:
-            await p.aclose()
-
-    asyncio.run(go())
-
-
-def test_after_a_block_drafted_ahead_only_a_rejection_drafts_on(llama_pair):
-    """Overlapped speculation: the draft drafts the next block while the target
-    verifies (``ahead``). If every draft is accepted that block serves, so the echo
-    drafts nothing (and leaves it in the cache); after a rejection it drafts on."""
-    params = SamplingParams(temperature=1.0)
-
-    async def go():
-        p = Pair(llama_pair)
-        try:
-            # p_i(x_i) = 1 accepts every draft, 0 rejects the first.
-            for p_draft, drafts_on in (([1.0] * 3, False), ([0.0] * 3, True)):
-                s, cursor, drafts, verdict = await _first_step(p, params, f"ahead{drafts_on}")
-                verdict = dataclasses.replace(verdict, p_draft=p_draft)
-                u = [0.5] * 3
-                proposes = s.extra.proposes
-                ahead = Cursor(cursor.end + len(drafts) - 1, (drafts[-1],))
-                await p.draft.propose(s, ahead.cache_len, ahead.pending, 3, 31, ahead=True)
-                length = s.length
-                p.draft.draft_on(s, proposes, cursor, drafts, verdict, u, 3, 21)
-                assert (s.extra.head is not None) == drafts_on
-                if not drafts_on:
-                    assert s.length == length  # the block drafted ahead is intact
-                await p.draft.settle_head(s)
         finally:
             await p.aclose()
 

@@ -65,11 +65,9 @@ class DraftSession(Protocol):
         seed: int,
         timeout: float | None,
         relay: RelayTo | None = None,
-        ahead: bool = False,
     ) -> Proposal:
         """A draft from ``cursor``; with ``relay``, also sent on to the target (the
-        proposal says whether the target took it: ``Proposal.relayed``). ``ahead``:
-        drafted while the target verifies the last draft (``Propose.ahead``)."""
+        proposal says whether the target took it: ``Proposal.relayed``)."""
         ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...

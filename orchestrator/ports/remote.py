@@ -79,14 +79,9 @@ class RemoteDraftSession:
         seed: int,
         timeout: float | None,
         relay: RelayTo | None = None,
-        ahead: bool = False,
     ) -> Proposal:
         propose = draft_pb2.Propose(
-            cache_len=cursor.cache_len,
-            append_tokens=cursor.pending,
-            gamma=gamma,
-            seed=seed,
-            ahead=ahead,
+            cache_len=cursor.cache_len, append_tokens=cursor.pending, gamma=gamma, seed=seed
         )
         if relay is not None:
             to = propose.relay

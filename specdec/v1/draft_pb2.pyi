@@ -29,20 +29,18 @@ class DraftReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay", "ahead")
+    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
-    AHEAD_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     seed: int
     relay: RelayTo
-    ahead: bool
-    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ...) -> None: ...
 
 class RelayTo(_message.Message):
     __slots__ = ("target", "relay_token", "verify", "draft_on")
