@@ -339,6 +339,9 @@ class Generation:
         self.next_draft_seed = seeds(self.rng)[0]
         self.stats = Stats(prompt_tokens=len(spec.prompt), gamma=spec.gamma or 0)
         self.policy = RequestPolicy(orch.cost, spec.gamma, spec.overlap, greedy=spec.params.greedy)
+        # The next step's (gamma, overlap), chosen a step early when the draft drafts on:
+        # its head start is then what the next propose asks for (``choose_next``).
+        self.next_choice: tuple[int, bool] | None = None
         self.ahead: Proposal | None = None  # the next draft, drafted during the last verify
         self.gammas: collections.Counter = collections.Counter()
         self.text = TextStream(orch.tokenizer, spec.stops, spec.prompt)
@@ -413,8 +416,12 @@ class Generation:
         pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
         relayed = False
         u: list[float] = []  # the acceptance test's uniforms, drawn before any draft
+        chosen, self.next_choice = self.next_choice, None
         if proposal is None:
-            gamma, overlap = self.policy.choose(remaining - 1, plain_run)
+            if chosen is None:
+                chosen = self.policy.choose(remaining - 1, plain_run)
+            gamma = min(chosen[0], remaining - 1)
+            overlap = chosen[1] and gamma > 0
             if gamma and self.draft is not None:
                 if not self.draft.prefilled:  # started plain: open the draft now
                     await self.draft.prefill()
@@ -425,15 +432,18 @@ class Generation:
                 if self.o.relay and not self.spec.dense and self.relay_pays():
                     relay = self.target.relay_to(target_seed, pit)
                     # The draft drafts the next step on the target's echo, as it will
-                    # most likely be asked for: the same gamma (a smaller one takes its
-                    # first tokens). Not while drafting ahead: the echo may reach the
-                    # draft before the propose that drafts ahead, and the two would
-                    # want the cache at different lengths. Nor with rollbacks between
-                    # steps, nor in what may be the last step.
+                    # be asked for: that step's gamma, chosen now (``choose_next``; a
+                    # smaller ask near the end takes its first tokens). Not while
+                    # drafting ahead: the echo may reach the draft before the propose
+                    # that drafts ahead, and the two would want the cache at different
+                    # lengths. Nor with rollbacks between steps, nor in what may be the
+                    # last step.
                     wait = overlap or self.o.explicit_rollback or remaining <= gamma + 1
                     if relay is not None and self.o.draft_on and not wait:
-                        on = DraftOn(tuple(u), gamma, self.next_draft_seed)
-                        relay = dataclasses.replace(relay, draft_on=on)
+                        next_gamma = self.choose_next(remaining - gamma - 1, gamma)
+                        if next_gamma:
+                            on = DraftOn(tuple(u), next_gamma, self.next_draft_seed)
+                            relay = dataclasses.replace(relay, draft_on=on)
                 tracing.mark("propose")
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
                 tracing.mark("proposed")
@@ -519,6 +529,19 @@ class Generation:
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         tracing.mark("settled")
         return outcome.tokens
+
+    def choose_next(self, remaining: int, gamma: int) -> int:
+        """The gamma the draft drafts on with, for a next step that has at least
+        ``remaining`` tokens left: this step's ``gamma`` for a fixed one, the
+        policy's choice for an adaptive one, made now and kept for that step
+        (``next_choice``). Drafting on a gamma the next step does not ask for would be
+        discarded, and an adaptive choice moves from step to step. 0: it will be
+        plain. Not under the check against plain decoding, whose epochs change arms
+        between steps."""
+        if self.policy.gamma is not None or self.policy.guard is not None:
+            return gamma
+        self.next_choice = self.policy.choose(remaining - 1, self.plain_run(remaining))
+        return self.next_choice[0]
 
     def relay_pays(self) -> bool:
         """Whether to relay this step's proposal: at light load, where the hop it saves
