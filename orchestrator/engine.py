@@ -418,7 +418,9 @@ class Generation:
         u: list[float] = []  # the acceptance test's uniforms, drawn before any draft
         chosen, self.next_choice = self.next_choice, None
         if proposal is None:
-            if chosen is None:
+            if chosen is None or self.policy.guard is not None:
+                # (a choice made before the check against plain decoding took over
+                # at this load is not this step's: the check's epoch decides)
                 chosen = self.policy.choose(remaining - 1, plain_run)
             gamma = min(chosen[0], remaining - 1)
             overlap = chosen[1] and gamma > 0
