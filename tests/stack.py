@@ -12,7 +12,12 @@ from specdec.local.stack import local_stack as _local_stack
 
 from .tiny import build_pair
 
-__all__ = ["Stack", "free_port", "local_stack", "planted_env", "write_config"]
+__all__ = ["Stack", "drafted_on", "free_port", "local_stack", "planted_env", "write_config"]
+
+
+def drafted_on(stack: Stack, outcome: str) -> float:
+    """The draft's head starts so far with this outcome (used, discarded, skipped)."""
+    return stack.metric("draft", "specdec_model_drafted_on_total", f'outcome="{outcome}"')
 
 
 def planted_env(tmp_path: Path, source: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from specdec.config import REPO_ROOT
 from specdec.runtime.loading import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits
 
-from .stack import local_stack
+from .stack import drafted_on, local_stack
 from .test_greedy import reference
 
 DEMO = REPO_ROOT / "models" / "demo"
@@ -56,17 +56,13 @@ def test_greedy_through_pipeline_equals_target_generate(tmp_path, pair):
         # draft drafts each next step on the target's echo, and an adaptive request
         # fixes that step's gamma when it asks for it: every head start is used, none
         # drafted for a gamma the next step then does not ask for.
-        used, discarded = (_drafted_on(stack, o) for o in ("used", "discarded"))
+        used, discarded = (drafted_on(stack, o) for o in ("used", "discarded"))
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
             got, _, stats = stack.generate_raw(prompt=ids, max_new_tokens=48, temperature=0.0)
             assert got == reference(pair[1], ids, 48) and stats.adaptive
-        assert _drafted_on(stack, "used") > used
-        assert _drafted_on(stack, "discarded") == discarded
-
-
-def _drafted_on(stack, outcome: str) -> float:
-    return stack.metric("draft", "specdec_model_drafted_on_total", f'outcome="{outcome}"')
+        assert drafted_on(stack, "used") > used
+        assert drafted_on(stack, "discarded") == discarded
 
 
 def test_acceptance_rate_at_temperature_one(pair):

@@ -20,7 +20,7 @@ from specdec.sampling import Proposal, SamplingParams, Verdict
 from specdec.transport.relay import RelayInboxes
 from specdec.v1 import target_pb2, target_pb2_grpc
 
-from .stack import local_stack
+from .stack import drafted_on, local_stack
 
 
 def test_an_inbox_takes_its_own_relays_and_refuses_cancelled_or_unknown_ones():
@@ -118,10 +118,6 @@ def ab_stack(tmp_path_factory, llama_pair):
         yield stack, direct, waiting
 
 
-def _drafted_on(stack, outcome: str) -> float:
-    return stack.metric("draft", "specdec_model_drafted_on_total", f'outcome="{outcome}"')
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
     """Same seed, same draws: relayed steps emit exactly what direct ones do, and
@@ -130,7 +126,7 @@ def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
     and with drafting ahead (overlap) too."""
     stack, direct, waiting = ab_stack
     before = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
-    used = _drafted_on(stack, "used")
+    used = drafted_on(stack, "used")
     for gamma, overlap in ((1, False), (3, False), (6, False), (3, True)):
         for seed in (1, 2):
             fields = dict(
@@ -148,7 +144,7 @@ def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
     after = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
     assert after - before >= 2 * 6 * 5  # the sequential requests relayed (5+ steps each)
     # Nearly every step after the first was drafted before the orchestrator asked.
-    assert _drafted_on(stack, "used") - used >= 6 * 3
+    assert drafted_on(stack, "used") - used >= 6 * 3
 
 
 def test_a_relay_left_unconfirmed_never_changes_the_output(tmp_path, llama_pair):

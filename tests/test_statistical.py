@@ -22,7 +22,7 @@ from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits, sparse_q
 
 from .conftest import WIRE_TOP_K
-from .stack import local_stack, planted_env
+from .stack import drafted_on, local_stack, planted_env
 from .stats import CONCURRENT, tv, tv_threshold
 
 N = 1500
@@ -119,7 +119,7 @@ def test_sampled_tokens_follow_target_distribution_when_drafting_on(tmp_path, ll
         orchestrator__relay_max_requests=0,
     ) as stack:
         results = check(stack, llama_pair, SamplingParams(1.0), gamma=1, sequential=True)
-        used = stack.metric("draft", "specdec_model_drafted_on_total", 'outcome="used"')
+        used = drafted_on(stack, "used")
     for name, (dist, threshold) in results.items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
     assert used >= N // 20  # the second step of most requests whose first rejected
