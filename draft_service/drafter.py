@@ -137,9 +137,9 @@ class Drafter(ModelService):
             return
         # The target's cursor does not matter here: only the draft's is used.
         nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
-        if nxt is None or nxt.cache_len > session.length:
-            return
-        if nxt.end + gamma > self.max_context:
+        fits = nxt is not None and nxt.cache_len <= session.length
+        if not fits or nxt.end + gamma > self.max_context:  # the propose will say what to do
+            metrics.DRAFTED_ON.labels("skipped").inc()
             return
         self.roll_back_to(session, nxt.cache_len)
         feed, limit = list(nxt.pending), [gamma]

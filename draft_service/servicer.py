@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.step import Cursor
-from specdec import tracing
+from specdec import metrics, tracing
 from specdec.config import MAX_GAMMA, ModelServiceConfig
 from specdec.errors import InvalidArgument, require
 from specdec.sampling import Verdict
@@ -112,6 +112,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tracing.mark("echo")
             live = ref()
             if live is None or len(v.p_draft) != len(drafts):
+                metrics.DRAFTED_ON.labels("skipped").inc()
                 return
             verdict = Verdict(
                 list(v.p_draft), list(v.q_draft), list(v.residual_tokens), v.bonus_token

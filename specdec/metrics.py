@@ -250,7 +250,8 @@ DRAFTED_ON = Counter(
     "specdec_model_drafted_on_total",
     "Drafts started on a verdict the target echoed, before their propose came: used "
     "(the propose asked for them), discarded (it asked for something else, or the "
-    "session ended first), or skipped (a newer propose had come already).",
+    "session ended first), or skipped (none started: a newer propose had come already, "
+    "or the next step would not fit the draft's cache or context).",
     ["outcome"],
     registry=None,
 )

@@ -138,6 +138,15 @@ def test_a_late_echo_is_skipped_and_a_head_start_never_outlives_its_session(llam
             p.draft.draft_on(s, stale, cursor, drafts, verdict, u, 3, 21)
             assert s.extra.head is None and _outcome("skipped") == skipped + 1
 
+            # One whose next step would pass the draft's context drafts nothing either.
+            s, cursor, drafts, verdict = await _first_step(p, params, "full")
+            limit, p.draft.max_context = p.draft.max_context, cursor.end + 3  # < end + 1 + 3
+            try:
+                p.draft.draft_on(s, s.extra.proposes, cursor, drafts, verdict, u, 3, 21)
+            finally:
+                p.draft.max_context = limit
+            assert s.extra.head is None and _outcome("skipped") == skipped + 2
+
             s, cursor, drafts, verdict = await _first_step(p, params, "rolled")
             p.draft.draft_on(s, s.extra.proposes, cursor, drafts, verdict, u, 3, 21)
             assert await p.draft.rollback_draft(s, cursor.cache_len) >= 0
@@ -149,7 +158,7 @@ def test_a_late_echo_is_skipped_and_a_head_start_never_outlives_its_session(llam
             assert p.draft.close(s)
             await asyncio.sleep(0.05)
             assert task.cancelled() or task.done()
-            assert p.draft.loop.queued == 0 and len(p.draft.sessions) == 2
+            assert p.draft.loop.queued == 0 and len(p.draft.sessions) == 3
         finally:
             await p.aclose()
 
