@@ -60,7 +60,7 @@ class ModelService:
         # A session may not outgrow the model's table of positions (past it the forward
         # fails, and with it every session sharing that forward).
         self.max_context = min(cfg.max_context, position_limit(self.model) or cfg.max_context)
-        self.runner = RaggedRunner(self.model)
+        self.runner = RaggedRunner(self.model, lean=cfg.lean_forward)
         self.vocab_size = self.runner.vocab_size
         self.packed_min_rows = self._pack_linears()
         self.sessions = SessionStore(self.role, cfg.max_sessions)
@@ -95,6 +95,7 @@ class ModelService:
                 "device": cfg.device,
                 "version": specdec.__version__,
                 "packed_linear_min_rows": str(self.packed_min_rows or 0),
+                "lean_forward": str(self.runner.lean).lower(),
             }
         )
         self.sessions.update_gauges()

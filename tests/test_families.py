@@ -21,7 +21,7 @@ from specdec import cli
 from specdec.config import ModelServiceConfig
 from specdec.errors import Unsupported
 from specdec.runtime.loading import load_model, load_tokenizer
-from specdec.runtime.ragged import Feed, RaggedBatch, RaggedRunner, SessionKV
+from specdec.runtime.ragged import LEAN_FAMILIES, Feed, RaggedBatch, RaggedRunner, SessionKV
 from target_service.verifier import Verifier
 
 from .inprocess import in_process
@@ -132,6 +132,35 @@ def test_rollback_then_extend_equals_a_fresh_forward(family_pair, kind):
     assert _rollback_error(runner, reference) <= EXACT.get(kind, 1e-10)
 
 
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_layers_are_called_directly_only_where_that_changes_no_logit(family_pair, kind):
+    """A family of LEAN_FAMILIES skips its model forward's wrapper (the runner keeps
+    the modules to call); the others run through the wrapper. The comparisons above
+    ran through whichever way the runner took."""
+    _, target = family_pair(kind)
+    runner = RaggedRunner(load_model(str(target)))
+    assert runner.lean == (kind in LEAN_FAMILIES), kind
+    assert not RaggedRunner(load_model(str(target)), lean=False).lean
+
+
+def test_a_direct_call_that_changes_a_logit_is_turned_off(family_pair, monkeypatch, caplog):
+    """The planted bug: the direct call's logits off by one part in a million (as a
+    skipped scaling or a different kernel would make them). The start-up check must
+    find it and fall back to the wrapped forward, which still serves the model."""
+    _, target = family_pair("llama")
+    lean_forward = RaggedRunner._lean_forward
+
+    def off(self, *args):
+        return lean_forward(self, *args) * (1 + 1e-6)
+
+    monkeypatch.setattr(RaggedRunner, "_lean_forward", off)
+    runner = RaggedRunner(load_model(str(target)))
+    assert not runner.lean
+    assert "calling the layers directly is off" in caplog.text
+    (logits,) = runner.forward([Feed(SessionKV(), [1, 2, 3], 1)])
+    assert logits.shape == (1, runner.vocab_size)
+
+
 BROKEN = [
     ("mistral", "window"),
     ("qwen2", "window"),
@@ -191,3 +220,10 @@ def test_attention_sinks_are_refused_at_start_up():
     model = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(Unsupported, match="model type gpt_oss .*s_aux"):
         RaggedRunner(model)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_services_follow_the_lean_forward_setting(family_pair, lean):
+    _, target = family_pair("llama")
+    svc = Verifier(ModelServiceConfig(model=str(target), lean_forward=lean))
+    assert svc.runner.lean == lean

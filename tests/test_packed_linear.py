@@ -163,3 +163,27 @@ def test_a_model_onednn_cannot_pack_is_served_with_plain_layers(llama_pair, monk
     assert svc.packed_min_rows is None
     assert not any(isinstance(m, PackedLinear) for m in svc.model.modules())
     assert sum(type(m) is nn.Linear for m in svc.model.modules()) > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_direct_layer_calls_use_the_packed_layers(tied):
+    """A runner that calls the decoder layers directly (``RaggedRunner.lean``) runs the
+    layers packing put in place after start-up, the output layer included, and gives
+    the logits of the model's own forward on the packed model, bit for bit."""
+    model = _tiny_llama(tied)
+    runner = RaggedRunner(model)
+    assert runner.lean
+    packed_linear.install(model)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    calls = []
+    for m in packed:
+        m.min_rows = 1
+        m.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    tokens = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = {}
+    for lean in (True, False):
+        runner.lean = lean
+        calls.clear()
+        out[lean] = runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0]
+        assert model.lm_head in calls and {id(m) for m in calls} == {id(m) for m in packed}
+    assert torch.equal(out[True], out[False])

@@ -15,6 +15,15 @@ implementation: each session's queries attend only to that session's keys,
 causally. No padding, no copy of any cache, no mask materialized for a
 one-token step.
 
+For the families in ``LEAN_FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3) the
+runner calls the model's own modules (embedding, rotary table, decoder layers,
+final norm, output layer) in the order its model forward does, without that
+forward's wrapper: its causal-mask construction (the ragged attention builds
+its own), argument checks and output classes. That wrapper costs about 0.3 ms
+a pass, most of a one-layer draft's pass (``docs/benchmarks.md``, "Calling
+the decoder layers directly"). It is used only where the start-up check finds
+its logits equal, bit for bit, to those of the wrapped forward.
+
 Which models it serves is decided at start-up, not mid-request: the runner
 checks a packed forward (two sessions, a rollback, a decode step) against the
 model's own forward on a few tokens and refuses, naming the model type, a
@@ -28,6 +37,7 @@ forward (``specdec.runtime.forward_loop``), or sessions' lifetimes.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -37,7 +47,14 @@ from transformers import AttentionInterface
 
 from specdec.errors import FailedPrecondition, Unsupported
 
+log = logging.getLogger(__name__)
+
 ATTENTION = "specdec_ragged"
+# Model types whose model forward is exactly: embed_tokens, rotary_emb over the
+# positions, each of layers[:num_hidden_layers] (hidden states, position embeddings,
+# the cache), norm, then lm_head over the kept positions (transformers 5.24). Their
+# passes skip that forward's wrapper (``RaggedRunner.lean``).
+LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
 _MIN_CAPACITY = 64
 # Attention arguments a model may pass that we understand; anything else
 # unknown (e.g. attention sinks) makes the model unsupported, loudly.
@@ -253,9 +270,13 @@ def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 class RaggedRunner:
     """A causal LM run over packed rows of many sessions' new tokens."""
 
-    def __init__(self, model, self_test: bool = True) -> None:
+    def __init__(self, model, self_test: bool = True, lean: bool = True) -> None:
+        """``lean``: skip the model forward's wrapper where that is safe (the
+        module's docstring); only after ``self_test``, which checks it."""
         self.model = model
         config = model.config
+        # Whether passes call the layers directly (else the model's own forward).
+        self.lean = lean and self_test and _lean_family(model)
         self.model_type = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
         # The ragged attention is switched on for our forwards only: the same model
         # object keeps working with generate() and its own caches elsewhere.
@@ -297,6 +318,12 @@ class RaggedRunner:
         exception or a disagreement over the tolerance raises ``Unsupported``
         naming the model type, so that a family this runtime cannot serve is
         refused when the service starts, never in the middle of a request.
+
+        Then, for a family whose layers can be called directly (``lean``), the same
+        passes are run that way, and that way is kept only if every logit is equal,
+        bit for bit, to the wrapped forward's: all that is known of the wrapped
+        ragged forward (exact rollback, greedy output equal to ``generate()``) then
+        holds for it.
         """
         n = _SELF_TEST_TOKENS
         tokens = [(7919 * i + 11) % self.vocab_size for i in range(n)]
@@ -309,20 +336,15 @@ class RaggedRunner:
                 f"model type {self.model_type}: its own forward fails on {n} tokens "
                 f"({type(e).__name__}: {e})"
             ) from e
-        a, b = SessionKV(), SessionKV()
+        lean, self.lean = self.lean, False
         try:
-            self.forward([Feed(a, tokens[: n - 6], 0)])
-            self.forward([Feed(a, tokens[:3], 1)])  # a draft, then rejected
-            a.truncate(n - 6)
-            got_a, got_b = self.forward([Feed(a, tokens[n - 6 :], 6), Feed(b, tokens[:5], 2)])
-            a.truncate(n - 1)
-            (got_last,) = self.forward([Feed(a, tokens[n - 1 :], 1)])
+            packed = self._self_test_passes(tokens)  # [9, V] through the model's forward
         except Exception as e:
             raise Unsupported(
                 f"model type {self.model_type}: its attention cannot run in the ragged "
                 f"runtime ({type(e).__name__}: {e})"
             ) from e
-        got = torch.cat([got_a, got_b, got_last]).double()  # [9, V]
+        got = packed.double()
         want = torch.cat([want[n - 6 :], want[3:5], want[n - 1 :]])  # [9, V]
         err = disagreement(got, want)
         dtype = next(self.model.parameters()).dtype
@@ -333,6 +355,30 @@ class RaggedRunner:
                 f"model's own by {err:.3g} of the logits' spread (at most {tolerance:g} "
                 f"in {str(dtype).removeprefix('torch.')}); its attention is not supported"
             )
+        if lean:
+            self.lean = True
+            try:
+                same = torch.equal(self._self_test_passes(tokens), packed)
+                why = "its logits differ from the model forward's"
+            except Exception as e:
+                same, why = False, f"{type(e).__name__}: {e}"
+            if not same:
+                self.lean = False
+                log.warning("model type %s: calling the layers directly is off (%s)",
+                            self.model_type, why)  # fmt: skip
+
+    def _self_test_passes(self, tokens: list[int]) -> torch.Tensor:
+        """The self-test's passes on fresh sessions: two sessions in one pass, one of
+        them after a rolled-back draft, then a decode step; their logits [9, V]."""
+        n = len(tokens)
+        a, b = SessionKV(), SessionKV()
+        self.forward([Feed(a, tokens[: n - 6], 0)])
+        self.forward([Feed(a, tokens[:3], 1)])  # a draft, then rejected
+        a.truncate(n - 6)
+        got_a, got_b = self.forward([Feed(a, tokens[n - 6 :], 6), Feed(b, tokens[:5], 2)])
+        a.truncate(n - 1)
+        (got_last,) = self.forward([Feed(a, tokens[n - 1 :], 1)])
+        return torch.cat([got_a, got_b, got_last])
 
     @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
@@ -358,20 +404,52 @@ class RaggedRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=dev)  # [1, N]
         for d, ours in self._switch:
             d["_attn_implementation_internal"] = ours
+        kept = torch.tensor(keep, dtype=torch.long, device=dev)
         try:
-            out = self.model(
-                input_ids=ids,
-                position_ids=pos,
-                cache=RaggedBatch(segments),
-                use_cache=True,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
-            )
+            if self.lean:
+                logits = self._lean_forward(ids, pos, RaggedBatch(segments), kept)
+            else:
+                logits = self.model(
+                    input_ids=ids,
+                    position_ids=pos,
+                    cache=RaggedBatch(segments),
+                    use_cache=True,
+                    logits_to_keep=kept,
+                ).logits
         finally:
             for d, theirs in self._restore:
                 d["_attn_implementation_internal"] = theirs
         for s in segments:
             s.kv.length = s.past + s.new
-        logits = out.logits[0]  # [sum of feeds' logits, vocab]
+        logits = logits[0]  # [sum of feeds' logits, vocab]
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         return list(logits.split([f.logits for f in feeds]))
+
+    def _lean_forward(self, ids, pos, cache: RaggedBatch, kept: torch.Tensor) -> torch.Tensor:
+        """The model forward of ``LEAN_FAMILIES`` without its wrapper: the same
+        modules, called in the same order on the same values. ids, pos: [1, N];
+        returns logits [1, kept, vocab]. The modules are looked up on every pass:
+        ``packed_linear`` replaces some after start-up."""
+        model, base = self.model, self.model.model
+        hidden = base.embed_tokens(ids)  # [1, N, hidden]
+        position_embeddings = base.rotary_emb(hidden, position_ids=pos)
+        for layer in base.layers[: model.config.num_hidden_layers]:
+            hidden = layer(
+                hidden,
+                attention_mask=None,  # the ragged attention builds its own
+                position_embeddings=position_embeddings,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+            )
+        return model.lm_head(base.norm(hidden)[:, kept])
+
+
+def _lean_family(model) -> bool:
+    """Whether ``model`` is of ``LEAN_FAMILIES`` and has the modules a lean pass calls."""
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "rotary_emb", "layers", "norm")
+    if getattr(model.config, "model_type", None) not in LEAN_FAMILIES or base is None:
+        return False
+    return all(hasattr(base, name) for name in needed) and hasattr(model, "lm_head")
