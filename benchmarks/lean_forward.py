@@ -1,0 +1,183 @@
+"""Passes that call the decoder layers directly (``lean_forward``, the default for
+the Llama family) against the model's wrapped forward, side by side.
+
+    python -m benchmarks.lean_forward [--repeats 6] [--clients 8] [--window 5]
+        [--out results/lean-forward-<time>]
+
+Parts:
+- pass times: the demo target's and draft's passes through the ragged runtime
+  (one thread, packed as a service packs them), one runner switching between
+  the two ways pass by pass; the median and the best of ``--passes`` each;
+- two stacks that differ only in ``lean_forward`` (draft and target): one client,
+  8 prompts x 64 tokens per round, plain decoding, gamma 4 greedy and at T=1,
+  and adaptive at T=1, the stacks' rounds interleaved (``benchmarks.run.measure``),
+  with each mode's time per step split into forwards and the rest; then
+  sustained rounds of ``--clients`` clients (``benchmarks.sustained``'s rounds),
+  the order alternating. Paired ratios.
+Prints a table; writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.runtime import packed_linear
+from specdec.runtime.loading import load_model
+from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .plain_runs import save_side_by_side, side_by_side_header
+from .run import CONCURRENCY_MODES, measure, sustained_round
+
+SHAPES = ((1, 1), (5, 1), (5, 8), (1, 32))  # tokens x sessions
+MODES = {
+    "plain@0": {"temperature": 0.0, "gamma": 0},
+    "seq4@0": {"temperature": 0.0, "gamma": 4, "overlap": False},
+    "seq4@1": {"temperature": 1.0, "gamma": 4, "overlap": False},
+    "adaptive@1": {"temperature": 1.0, "gamma": None, "seed": None},
+}
+ARMS = ("wrapped", "lean")
+SUSTAINED = ("plain", "seq4", "adaptive")  # CONCURRENCY_MODES, at T=1
+MAX_NEW = 64
+
+
+@torch.inference_mode()
+def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
+    """{shape: {wrapped, lean, wrapped_best, lean_best}} ms, one thread, one runner."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(path)
+        runner = RaggedRunner(model)
+        if not runner.lean:
+            raise SystemExit(f"{path}: its passes cannot call the layers directly")
+        packed_linear.pack_model(model, runner, 64, 0)
+        out = {}
+        for tokens, sessions in SHAPES:
+            v = runner.vocab_size
+            kvs = [SessionKV() for _ in range(sessions)]
+            runner.forward([Feed(kv, [t % v for t in range(10, 60)], 1) for kv in kvs])
+            times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            for i in range(passes):
+                fed = [(i + j + 5) % v for j in range(tokens)]
+                for arm in ARMS if i % 2 else ARMS[::-1]:
+                    runner.lean = arm == "lean"
+                    feeds = [Feed(kv, fed, tokens) for kv in kvs]
+                    t = time.perf_counter()
+                    runner.forward(feeds)
+                    times[arm].append(1e3 * (time.perf_counter() - t))
+                    for kv in kvs:
+                        kv.truncate(50)
+            cell = {arm: statistics.median(ts) for arm, ts in times.items()}
+            cell |= {f"{arm}_best": min(ts) for arm, ts in times.items()}
+            out[f"{tokens}x{sessions}"] = cell
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--clients", type=int, nargs="*", default=[8])
+    ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
+    ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
+    ap.add_argument("--passes", type=int, default=200, help="passes per arm and shape")
+    ap.add_argument("--out", default=f"results/lean-forward-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info("cpu")
+    passes = {role: pass_times(path, args.passes) for role, path in
+              (("target", args.target), ("draft", args.draft))}  # fmt: skip
+    rows = [
+        "| model | tokens x sessions | wrapped ms (best) | lean ms (best) | lean / wrapped |",
+        "|---" * 5 + "|",
+    ]
+    for role, shapes in passes.items():
+        for shape, t in shapes.items():
+            rows.append(
+                f"| {role} | {shape} | {t['wrapped']:.3f} ({t['wrapped_best']:.3f}) | "
+                f"{t['lean']:.3f} ({t['lean_best']:.3f}) | {t['lean'] / t['wrapped']:.2f} |"
+            )
+    stacks = {}
+    rates: dict[str, list[float]] = {}
+    try:
+        for arm in ARMS:
+            keys = {"lean_forward": arm == "lean"}
+            stacks[arm] = start_services(
+                out / arm, args.draft, args.target, threads=1, draft_threads=1,
+                settings={"draft": keys, "target": keys},
+            )  # fmt: skip
+        clients = {arm: Client(stacks[arm].orchestrator_address) for arm in ARMS}
+        via = {f"{arm}:{m}": clients[arm] for arm in ARMS for m in MODES}
+        configs = {f"{arm}:{m}": fields for arm in ARMS for m, fields in MODES.items()}
+        one = measure(via, configs, PROMPTS[:8], MAX_NEW, args.repeats)
+        for n in args.clients:
+            for mode in SUSTAINED:
+                for r in range(args.repeats):
+                    for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                        rate = sustained_round(
+                            stacks[arm].orchestrator_address, n, CONCURRENCY_MODES[mode],
+                            PROMPTS, MAX_NEW, args.warm, args.window, r,
+                        )  # fmt: skip
+                        rates.setdefault(f"{n} clients, {mode}, {arm}", []).append(rate)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    info["load_average_end"] = list(os.getloadavg())
+    lines = side_by_side_header(
+        "Passes calling the decoder layers directly against the wrapped forward",
+        info,
+        f"Pass times: {args.passes} passes per arm, alternating, one thread. Services: "
+        f"one client, {args.repeats} interleaved rounds of 8 prompts x {MAX_NEW} tokens "
+        f"per mode; sustained rounds ({args.warm:g} s not counted, {args.window:g} s "
+        f"counted), T=1, {args.repeats} per configuration.",
+    )
+    lines += ["## Pass times (median ms)", ""] + rows
+    lines += ["", "## One client (tok/s; ms per step: forwards of draft + target, the rest)", ""]
+    lines += [
+        "| mode | wrapped | lean | lean / wrapped (paired) | wrapped step | lean step |",
+        "|---" * 6 + "|",
+    ]
+    for m in MODES:
+        a, b = one[f"wrapped:{m}"], one[f"lean:{m}"]
+        paired = [y / x for x, y in zip(a["tok_s_runs"], b["tok_s_runs"], strict=True)]
+
+        def step(row: dict) -> str:
+            ms = row["ms_per_step"]
+            return (
+                f"{ms['step']:.2f} ({ms['draft_forward']:.2f} + {ms['target_forward']:.2f}, "
+                f"{ms['overhead']:.2f})"
+            )
+
+        lines.append(
+            f"| {m} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | {statistics.median(paired):.3f} "
+            f"({', '.join(f'{x:.2f}' for x in paired)}) | {step(a)} | {step(b)} |"
+        )
+    lines += ["", "## Sustained load (tok/s)", ""]
+    lines += ["| clients | mode | wrapped | lean | lean / wrapped (paired) |", "|---" * 5 + "|"]
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    for n in args.clients:
+        for mode in SUSTAINED:
+            a, b = rates[f"{n} clients, {mode}, wrapped"], rates[f"{n} clients, {mode}, lean"]
+            paired = [y / x for x, y in zip(a, b, strict=True)]
+            lines.append(
+                f"| {n} | {mode} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | "
+                f"{statistics.median(paired):.3f} ({', '.join(f'{x:.2f}' for x in paired)}) |"
+            )
+    results = rates | {"pass_times": passes, "one_client": one}
+    save_side_by_side(out, lines, info, results, med)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
