@@ -209,6 +209,26 @@ def test_packed_linear_side_by_side_writes_results(tmp_path, llama_pair):
     assert "| target | 5x8 |" in md and "| 1 | seq4 |" in md
 
 
+def test_lean_forward_side_by_side_writes_results(tmp_path, llama_pair):
+    """``benchmarks.lean_forward`` on the tiny pair: pass times of both ways for both
+    models, both stacks streamed tokens at one client and under load, and the report
+    has them."""
+    draft, target = llama_pair
+    _run_module(
+        "benchmarks.lean_forward", "--draft", str(draft), "--target", str(target),
+        "--clients", "2", "--repeats", "1", "--warm", "0.2", "--window", "0.5",
+        "--passes", "2", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["median"]["2 clients, seq4, wrapped"] > 0
+    assert result["median"]["2 clients, seq4, lean"] > 0
+    times = result["rates"]["pass_times"]
+    assert all(t["wrapped"] > 0 and t["lean"] > 0 for m in times.values() for t in m.values())
+    assert result["rates"]["one_client"]["lean:seq4@1"]["tok_s"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| draft | 5x8 |" in md and "| seq4@0 |" in md and "| 2 | adaptive |" in md
+
+
 def test_pinning_a_service_pins_every_thread_it_has():
     """Emulating separate machines pins each service's threads, not only its main
     one (gRPC's threads carry every message)."""
