@@ -90,9 +90,10 @@ class ModelServiceConfig:
     # one more copy of the linear weights (specdec/runtime/packed_linear.py).
     packed_linear: bool = True
     packed_linear_min_rows: int = 0
-    # Llama, Mistral, Qwen2, Qwen3 and Phi-3: call the model's decoder layers directly,
-    # without its model forward's wrapper (about 0.3 ms a pass), where the start-up
-    # check finds every logit equal to the wrapped forward's (specdec/runtime/ragged.py).
+    # Llama, Mistral, Qwen2, Qwen3 and Phi-3 (transformers' own classes): call the model's
+    # decoder layers directly, without its model forward's wrapper (about 0.3 ms a pass),
+    # where the start-up check finds every logit equal to the wrapped forward's
+    # (specdec/runtime/ragged.py, docs/models.md).
     lean_forward: bool = True
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Draft only: client TLS towards the targets it relays proposals to (the

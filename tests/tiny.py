@@ -27,6 +27,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 CHARS = string.ascii_lowercase + string.ascii_uppercase[:10] + " .,;!?'-\n"
@@ -121,7 +122,7 @@ def build_pair(root: Path, kind: str = "llama", eos: bool = False) -> tuple[Path
 
 # ---- one tiny model per family -------------------------------------------------------------
 # The families the ragged runtime is tested on (tests/test_families.py, docs/models.md).
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2", "phi3", "gpt_neox", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "phi3", "gpt_neox", "opt")
 # Sliding window of the windowed families, far shorter than the tests' sequences.
 WINDOW = 8
 
@@ -132,7 +133,7 @@ def family_config(
     """A tiny config of family ``kind`` (4 heads, 2 key/value heads where the family has GQA).
 
     Windowed families get a window of WINDOW tokens: Mistral and Phi-3 on every layer,
-    Qwen2 from the second layer on (``max_window_layers=1``: full, then sliding),
+    Qwen2 and Qwen3 from the second layer on (``max_window_layers=1``: full, then sliding),
     Gemma-2 alternating sliding and global, with soft-capped attention scores (cap 3,
     with weights large enough for the cap to change them) and soft-capped logits.
     """
@@ -155,6 +156,11 @@ def family_config(
         return Qwen2Config(
             **llama_like, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
         )
+    if kind == "qwen3":  # Qwen2's hybrid windows, and q/k norms in the attention
+        return Qwen3Config(
+            **llama_like, head_dim=width // 4, use_sliding_window=True, sliding_window=WINDOW,
+            max_window_layers=1,
+        )  # fmt: skip
     if kind == "mistral":
         return MistralConfig(**llama_like, sliding_window=WINDOW)
     if kind == "gemma2":

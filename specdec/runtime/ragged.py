@@ -18,11 +18,13 @@ one-token step.
 For the families in ``LEAN_FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3) the
 runner calls the model's own modules (embedding, rotary table, decoder layers,
 final norm, output layer) in the order its model forward does, without that
-forward's wrapper: its causal-mask construction (the ragged attention builds
-its own), argument checks and output classes. That wrapper costs about 0.3 ms
-a pass, most of a one-layer draft's pass (``docs/benchmarks.md``, "Calling
-the decoder layers directly"). It is used only where the start-up check finds
-its logits equal, bit for bit, to those of the wrapped forward.
+forward's wrapper: its decorators, keyword handling, mask-function calls
+(which return nothing for the ragged attention) and output classes. That
+wrapper costs about 0.3 ms a pass, most of a one-layer draft's pass
+(``docs/benchmarks.md``, "Calling the decoder layers directly"). It is used
+only for transformers' own classes of those families (not remote code), and
+only where the start-up check finds its logits equal, bit for bit, to those of
+the wrapped forward.
 
 Which models it serves is decided at start-up, not mid-request: the runner
 checks a packed forward (two sessions, a rollback, a decode step) against the
@@ -447,9 +449,13 @@ class RaggedRunner:
 
 
 def _lean_family(model) -> bool:
-    """Whether ``model`` is of ``LEAN_FAMILIES`` and has the modules a lean pass calls."""
+    """Whether ``model`` is transformers' own class of a family in ``LEAN_FAMILIES`` (not
+    remote code that reuses the name) and has the modules a lean pass calls."""
     base = getattr(model, "model", None)
     needed = ("embed_tokens", "rotary_emb", "layers", "norm")
     if getattr(model.config, "model_type", None) not in LEAN_FAMILIES or base is None:
+        return False
+    ours = f"transformers.models.{model.config.model_type}."
+    if not all(type(m).__module__.startswith(ours) for m in (model, base)):
         return False
     return all(hasattr(base, name) for name in needed) and hasattr(model, "lm_head")
