@@ -33,7 +33,7 @@ from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
 from .plain_runs import save_side_by_side, side_by_side_header
-from .run import CONCURRENCY_MODES, measure, sustained_round
+from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
 SHAPES = ((1, 1), (5, 1), (5, 8), (1, 32))  # tokens x sessions
 MODES = {
@@ -121,15 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         via = {f"{arm}:{m}": clients[arm] for arm in ARMS for m in MODES}
         configs = {f"{arm}:{m}": fields for arm in ARMS for m, fields in MODES.items()}
         one = measure(via, configs, PROMPTS[:8], MAX_NEW, args.repeats)
-        for n in args.clients:
-            for mode in SUSTAINED:
-                for r in range(args.repeats):
-                    for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
-                        rate = sustained_round(
-                            stacks[arm].orchestrator_address, n, CONCURRENCY_MODES[mode],
-                            PROMPTS, MAX_NEW, args.warm, args.window, r,
-                        )  # fmt: skip
-                        rates.setdefault(f"{n} clients, {mode}, {arm}", []).append(rate)
+        rates = sustained_side_by_side(
+            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
+            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, MAX_NEW, args.repeats,
+            args.warm, args.window,
+        )  # fmt: skip
     finally:
         for stack in stacks.values():
             stack.stop()

@@ -32,7 +32,7 @@ from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
 from .plain_runs import save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES as MODES
-from .run import sustained_round
+from .run import sustained_round, sustained_side_by_side
 
 SHAPES = ((1, 1), (5, 1), (1, 8), (5, 4), (5, 8), (1, 32), (64, 1))  # tokens x sessions
 MAX_NEW = 64
@@ -113,17 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         for stack in stacks.values():  # warm up
             sustained_round(stack.orchestrator_address, 4, MODES["adaptive"], PROMPTS, MAX_NEW,
                             1.0, 1.0, 99)  # fmt: skip
-        for n in args.clients:
-            for mode in args.modes:
-                for r in range(args.repeats):
-                    for arm in ("stock", "packed") if r % 2 == 0 else ("packed", "stock"):
-                        rate = sustained_round(
-                            stacks[arm].orchestrator_address, n, MODES[mode], PROMPTS, MAX_NEW,
-                            args.warm, args.window, r,
-                        )  # fmt: skip
-                        rates.setdefault(f"{n} clients, {mode}, {arm}", []).append(rate)
-                key = f"{n} clients, {mode}"
-                print(f"{key}: stock {rates[key + ', stock']}, packed {rates[key + ', packed']}")
+        rates = sustained_side_by_side(
+            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
+            {m: MODES[m] for m in args.modes}, PROMPTS, MAX_NEW, args.repeats, args.warm,
+            args.window,
+        )  # fmt: skip
     finally:
         for stack in stacks.values():
             stack.stop()

@@ -483,6 +483,34 @@ def sustained_round(
     return sum(counted) / window_s
 
 
+def sustained_side_by_side(
+    addresses: dict[str, str],
+    clients: list[int],
+    modes: dict[str, dict],
+    prompts,
+    max_new_tokens: int,
+    repeats: int,
+    warm_s: float,
+    window_s: float,
+) -> dict[str, list[float]]:
+    """Sustained rounds (``sustained_round``) against two or more stacks (arm ->
+    orchestrator address): for each client count and mode, ``repeats`` rounds per arm,
+    the arms' order alternating round by round. {"<n> clients, <mode>, <arm>": tok/s}."""
+    arms = list(addresses)
+    rates: dict[str, list[float]] = {}
+    for n in clients:
+        for mode, fields in modes.items():
+            for r in range(repeats):
+                for arm in arms if r % 2 == 0 else arms[::-1]:
+                    rate = sustained_round(
+                        addresses[arm], n, fields, prompts, max_new_tokens, warm_s, window_s, r
+                    )
+                    rates.setdefault(f"{n} clients, {mode}, {arm}", []).append(rate)
+            key = f"{n} clients, {mode}"
+            print(key + ": " + ", ".join(f"{a} {rates[f'{key}, {a}']}" for a in arms), flush=True)
+    return rates
+
+
 # The modes compared under concurrent load (T=1): here and in benchmarks.sustained.
 CONCURRENCY_MODES = {
     "plain": {"temperature": 1.0, "gamma": 0},
