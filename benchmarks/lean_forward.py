@@ -109,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['lean']:.3f} ({t['lean_best']:.3f}) | {t['lean'] / t['wrapped']:.2f} |"
             )
     stacks = {}
-    rates: dict[str, list[float]] = {}
     try:
         for arm in ARMS:
             keys = {"lean_forward": arm == "lean"}

@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['packed'] / t['stock']:.2f} |"
             )
     stacks = {}
-    rates: dict[str, list[float]] = {}
     try:
         for arm, on in (("stock", False), ("packed", True)):
             keys = {"packed_linear": on}
