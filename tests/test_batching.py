@@ -210,10 +210,13 @@ def _sessions_per_pass(
     rounds: int = 40,
     kind: str = "step",
     kind_wait_s: dict | None = None,
+    skew_s: float = 0.0,
 ):
     """Sessions run one-feed jobs of ``kind``, each coming back 3 ms (a round trip)
-    after its last one finished, the second starting half a pass late; returns the
-    mean number of sessions per forward and the wall time."""
+    after its last one finished, the second starting half a pass late; with
+    ``skew_s``, every other trip of each session (alternating between them) takes
+    that much longer, so sessions that left one forward come back ``skew_s`` apart.
+    Returns the mean number of sessions per forward and the wall time."""
     import asyncio
     import time
 
@@ -229,9 +232,9 @@ def _sessions_per_pass(
     async def session(i: int, loop: ForwardLoop) -> None:
         kv = SessionKV()
         await asyncio.sleep(0.0005 * i)
-        for _ in range(rounds):
+        for r in range(rounds):
             await loop.run(job(kv), kind)
-            await asyncio.sleep(0.003)
+            await asyncio.sleep(0.003 + skew_s * ((r + i) % 2))
         loop.forget(kv)
 
     async def main() -> float:
@@ -255,12 +258,20 @@ def test_concurrent_sessions_are_kept_in_step(llama_pair):
 
 def test_a_kind_of_job_can_have_its_own_wait(llama_pair):
     """Plain decoding steps ("decode") come back after a round trip only: the loop
-    may wait longer for them (decode_batch_wait_ms) than for others."""
-    waits = {"decode": 0.010}
-    kept, _ = _sessions_per_pass(llama_pair[1], 0.001, 2, kind="decode", kind_wait_s=waits)
-    apart, _ = _sessions_per_pass(llama_pair[1], 0.001, 2, kind="verify", kind_wait_s=waits)
-    assert kept >= 1.7, kept  # waited for: nearly every pass carries both
-    assert apart < kept - 0.3, (apart, kept)  # 1 ms is shorter than the 3 ms trip back
+    may wait longer for them (decode_batch_wait_ms) than for others. The two
+    sessions come back 3 and 23 ms after leaving a forward together: decode's 50 ms
+    wait covers both trips, the others' 1 ms covers neither. (The 20 ms skew is
+    far longer than a pass, even on a loaded machine, so the session that comes
+    back first is done before the other arrives unless the loop waits for it.)"""
+    waits = {"decode": 0.050}
+    runs = {
+        kind: _sessions_per_pass(
+            llama_pair[1], 0.001, 2, kind=kind, kind_wait_s=waits, skew_s=0.020
+        )[0]
+        for kind in ("decode", "verify")
+    }
+    assert runs["decode"] >= 1.7, runs  # waited for: nearly every pass carries both
+    assert runs["verify"] < 1.3, runs  # not waited for: most passes carry one
 
 
 def test_a_lone_session_never_waits_for_a_batch(llama_pair):
