@@ -39,7 +39,16 @@ def local_stack(
     **overrides,
 ) -> Iterator[Stack]:
     """A stack on tiny Llama models (or the given model dirs); overrides are
-    ``section__key=value`` keyword arguments, e.g. ``orchestrator__gamma=3``."""
+    ``section__key=value`` keyword arguments, e.g. ``orchestrator__gamma=3``.
+
+    Unless a test sets them, the draft's call deadline and the relay's send
+    deadline are long: on a loaded CI machine one slow call past the production
+    deadlines (0.5 s, 0.1 s) makes a step fall back or re-seed its verify, and
+    tests comparing sampled output across routes or against the theory would
+    fail on the machine's speed, not on the code. Tests of those deadlines set
+    their own."""
+    overrides.setdefault("orchestrator__draft_timeout_s", 30.0)
+    overrides.setdefault("draft__relay_send_timeout_s", 5.0)
     tmp_path.mkdir(parents=True, exist_ok=True)
     if draft is None or target is None:
         draft, target = build_pair(tmp_path / "models")

@@ -166,6 +166,10 @@ def secure(tmp_path_factory, llama_pair):
         },
         orchestrator__auth_tokens=[TOKEN],
         orchestrator__connect_timeout_s=60,
+        # The first relay opens an mTLS channel: not a 0.1 s job on a loaded CI machine
+        # (a slow one falls back, which the test reads as a failure: see tests/stack.py).
+        orchestrator__draft_timeout_s=30.0,
+        draft__relay_send_timeout_s=10.0,
         orchestrator__grace_period_s=1,
         draft__grace_period_s=1,
         target__grace_period_s=1,
