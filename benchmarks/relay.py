@@ -7,9 +7,10 @@ that differ only in ``relay``.
 
 Parts (each configuration once to warm up, then interleaved rounds, the order
 rotating; medians and paired ratios):
-- one client, 8 prompts x 64 tokens, gamma 4 and adaptive, greedy and T=1,
-  on shared cores and pinned as in ``make bench`` (draft, orchestrators and
-  this client on one core, the target on the other);
+- one client, 8 prompts x 64 tokens, gamma 4 (sequential, and drafting ahead)
+  and adaptive, greedy and T=1, on shared cores and pinned as in ``make bench``
+  (draft, orchestrators and this client on one core, the target on the other;
+  ``--rtts-only``: skipped);
 - the same pinned, with round-trip time added on every hop (``--rtts``, the
   delay proxy: the relay goes through the target's proxy too), against plain
   decoding (gamma 0) through the same proxies;
@@ -35,7 +36,11 @@ from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side
 from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
 
 MAX_NEW = 64
-ONE_CLIENT = {"gamma 4": {"gamma": 4, "overlap": False}, "adaptive": {"gamma": None}}
+ONE_CLIENT = {
+    "gamma 4": {"gamma": 4, "overlap": False},
+    "gamma 4 ahead": {"gamma": 4, "overlap": True},
+    "adaptive": {"gamma": None},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtts", type=float, nargs="*", default=[2.0, 10.0])
     ap.add_argument("--clients", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--no-one-client", action="store_true", help="only the concurrent part")
+    ap.add_argument(
+        "--rtts-only", action="store_true", help="of the one-client parts, only the RTT ones"
+    )
     ap.add_argument(
         "--relay-max-requests",
         type=int,
@@ -108,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.no_one_client:
             args.rtts = []
-        else:
+        elif not args.rtts_only:
             rates |= interleaved(one_client_configs(direct, " shared"), args.repeats)
             print("shared cores done", flush=True)
+        if args.rtts:
             pin_stack(stack)
             stack.pin_extra(DRAFT_CORE)
+        if not (args.no_one_client or args.rtts_only):
             rates |= interleaved(one_client_configs(direct, " pinned"), args.repeats)
             print("pinned done", flush=True)
         for rtt in args.rtts:
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "| | relay tok/s | direct tok/s | relay / direct (medians) | paired | relay / plain |",
         "|---|---|---|---|---|---|",
     ]
-    suffixes = [] if args.no_one_client else [" shared", " pinned"]
+    suffixes = [] if args.no_one_client or args.rtts_only else [" shared", " pinned"]
     suffixes += [f" +{rtt:g}ms" for rtt in args.rtts]
     for suffix in suffixes:
         for temp in (0.0, 1.0):

@@ -11,6 +11,13 @@ uniforms and starts the next proposal before the orchestrator asks for it.
 ``propose`` answers from that head start only when the orchestrator asks for
 exactly it (same cursor and seed, at most as many tokens); anything else is
 drafted anew. The head start never decides anything.
+
+In a step that also drafts ahead (``ahead``: the orchestrator asks for the block
+after x_gamma while the target verifies), that block takes the next step only
+if every draft is accepted. So the draft drafts on only on a verdict that
+rejects a draft, after the block drafted ahead if that is being drafted; and a
+propose for that block that comes after the verdict is answered with no
+tokens: the orchestrator, settling the same verdict, would discard it.
 Not for: gRPC (``draft_service.servicer``).
 """
 
@@ -22,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.step import Cursor, settle
+from orchestrator.step import ahead as ahead_cursor
 from specdec import metrics
 from specdec.config import MAX_GAMMA
 from specdec.errors import require
@@ -53,9 +61,16 @@ class DraftState:
 
     shape: WireShape
     # Counts proposes: an echoed verdict drafts on only if no propose came after the
-    # one it answers (none is drafting, then, and the cache is the one it left).
+    # one it answers (none is drafting, then, and the cache is the one it left), or
+    # only the one drafting ahead from it.
     proposes: int = 0
     head: HeadStart | None = None
+    # The last propose's ask (cache_len, feed) and its drafting (done once drafted).
+    asked: tuple[int, tuple[int, ...]] | None = None
+    drafting: asyncio.Future | None = None
+    # A block drafted ahead that an echoed verdict left unused, (cache_len, feed): the
+    # propose asking for it gets no tokens.
+    moot: tuple[int, tuple[int, ...]] | None = None
 
 
 class Drafter(ModelService):
@@ -81,11 +96,21 @@ class Drafter(ModelService):
         start = time.perf_counter()
         state: DraftState = session.extra
         state.proposes += 1
-        head = await self.settle_head(session, (cache_len, tuple(feed), gamma, seed))
+        ask = (cache_len, tuple(feed))
+        moot, state.moot = state.moot, None
+        if ask == moot and not (state.head is not None and state.head.seed == seed):
+            return Proposal([], [], session.length)  # the head start stays
+        state.asked, state.drafting = ask, None
+        head = await self.settle_head(session, (*ask, gamma, seed))
         if head is not None:
             return self._from_head(session, head, gamma)
         self.roll_back_to(session, cache_len)
-        proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
+        state.drafting = drafted = asyncio.get_running_loop().create_future()
+        try:
+            proposal = await self.run(self._draft(session, feed, gamma, seed), "propose")
+        finally:
+            if not drafted.done():
+                drafted.set_result(None)
         self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
         return proposal
@@ -126,29 +151,49 @@ class Drafter(ModelService):
         u: Sequence[float],
         gamma: int,
         seed: int,
+        ahead: bool = False,
     ) -> None:
         """The verdict on ``drafts`` (drafted from ``cursor`` by propose number
         ``proposes``) came back: settle the step as the orchestrator will and start
-        drafting ``gamma`` tokens with ``seed`` from the draft's next cursor."""
+        drafting ``gamma`` tokens with ``seed`` from the draft's next cursor.
+        ``ahead``: the step drafts ahead too (see the module's docstring)."""
         state: DraftState = session.extra
         live = state.head is None and session in self.sessions
-        if state.proposes != proposes or not live:
+        past = ahead_cursor(cursor, drafts)
+        block = (past.cache_len, past.pending)
+        after = None  # the block drafted ahead, if it is asked for: drafted first
+        if ahead and live and state.proposes == proposes + 1 and state.asked == block:
+            after = state.drafting
+        elif state.proposes != proposes or not live:
             metrics.DRAFTED_ON.labels("skipped").inc()
             return
         # The target's cursor does not matter here: only the draft's is used.
-        nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
+        outcome = settle(Cursor(0, ()), cursor, drafts, verdict, u)
+        nxt = outcome.draft
         fits = nxt is not None and nxt.cache_len <= session.length
-        if not fits or nxt.end + gamma > self.max_context:  # the propose will say what to do
-            metrics.DRAFTED_ON.labels("skipped").inc()
+        unused = not ahead or outcome.accepted < len(drafts)  # the block drafted ahead
+        if not fits or not unused or nxt.end + gamma > self.max_context:
+            metrics.DRAFTED_ON.labels("skipped").inc()  # the propose will say what to do
             return
-        self.roll_back_to(session, nxt.cache_len)
+        if ahead and state.proposes == proposes:  # its propose may still come
+            state.moot = block
         feed, limit = list(nxt.pending), [gamma]
         job = self._draft(session, feed, gamma, seed, limit)
-        task = asyncio.ensure_future(self.run(job, "propose"))
+        task = asyncio.ensure_future(self._head_start(session, nxt.cache_len, job, after))
         task.add_done_callback(_consume)
         state.head = HeadStart(
             nxt.cache_len, tuple(feed), gamma, seed, time.perf_counter(), task, limit
         )
+
+    async def _head_start(
+        self, session: Session, cache_len: int, job: Job, after: asyncio.Future | None
+    ) -> Proposal:
+        """A head start's drafting: once ``after`` (a block being drafted ahead) is
+        done, from ``cache_len``."""
+        if after is not None and not after.done():
+            await asyncio.wait([after])  # (never cancels it)
+        self.roll_back_to(session, cache_len)
+        return await self.run(job, "propose")
 
     async def settle_head(self, session: Session, asked=None) -> HeadStart | None:
         """Take the session's head start, if any. If it is what ``asked`` (cache_len,
@@ -190,6 +235,7 @@ class Drafter(ModelService):
     async def rollback_draft(self, session: Session, cache_len: int) -> int:
         """``rollback``, after the session's head start (discarded)."""
         session.extra.proposes += 1
+        session.extra.moot = None
         await self.settle_head(session)
         return self.rollback(session, cache_len)
 

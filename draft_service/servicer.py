@@ -103,7 +103,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         """What to do with this proposal's echoed verdict: draft on (``DraftOn``)."""
         on = p.relay.draft_on
         cursor = Cursor(p.cache_len, tuple(p.append_tokens))
-        u, gamma, seed = list(on.uniforms), on.gamma, on.seed
+        u, gamma, seed, ahead = list(on.uniforms), on.gamma, on.seed, on.ahead
         proposes = session.extra.proposes
         # A verdict that never comes (its relay lost) must not keep the session's cache.
         ref = weakref.ref(session)
@@ -117,7 +117,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             verdict = Verdict(
                 list(v.p_draft), list(v.q_draft), list(v.residual_tokens), v.bonus_token
             )
-            self.svc.draft_on(live, proposes, cursor, drafts, verdict, u, gamma, seed)
+            self.svc.draft_on(live, proposes, cursor, drafts, verdict, u, gamma, seed, ahead)
 
         return on_verdict
 

@@ -435,16 +435,15 @@ class Generation:
                     relay = self.target.relay_to(target_seed, pit)
                     # The draft drafts the next step on the target's echo, as it will
                     # be asked for: that step's gamma, chosen now (``choose_next``; a
-                    # smaller ask near the end takes its first tokens). Not while
-                    # drafting ahead: the echo may reach the draft before the propose
-                    # that drafts ahead, and the two would want the cache at different
-                    # lengths. Nor with rollbacks between steps, nor in what may be the
-                    # last step.
-                    wait = overlap or self.o.explicit_rollback or remaining <= gamma + 1
+                    # smaller ask near the end takes its first tokens). A step that
+                    # drafts ahead says so: the draft then drafts on only if the verdict
+                    # leaves that block unused (``DraftOn.ahead``). Not with rollbacks
+                    # between steps, nor in what may be the last step.
+                    wait = self.o.explicit_rollback or remaining <= gamma + 1
                     if relay is not None and self.o.draft_on and not wait:
                         next_gamma = self.choose_next(remaining - gamma - 1, gamma)
                         if next_gamma:
-                            on = DraftOn(tuple(u), next_gamma, self.next_draft_seed)
+                            on = DraftOn(tuple(u), next_gamma, self.next_draft_seed, overlap)
                             relay = dataclasses.replace(relay, draft_on=on)
                 tracing.mark("propose")
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
@@ -488,6 +487,8 @@ class Generation:
             proposal, drafts, relayed = None, [], False
         u = u[: len(drafts)]  # none if the draft failed or its relay was lost
         next_proposal = await ahead_task if ahead_task is not None else None
+        if next_proposal is not None and not next_proposal.tokens:
+            next_proposal = None  # the draft saw the verdict reject a draft: unused
         outcome = settle(
             self.target.cursor,
             self.draft.cursor if self.draft else None,

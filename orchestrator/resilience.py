@@ -165,14 +165,16 @@ class DraftLink(_Link):
         ``ahead``: draft from this cursor instead (drafting on while the target
         verifies, as if every pending draft will be accepted). Such a draft is only
         worth having from the live session: nothing is re-opened for it, and a
-        failure does not count as a fallback step (the verdict's bonus serves).
+        failure does not count as a fallback step (the verdict's bonus serves). It
+        has no tokens when the draft already knows the verdict rejects a draft
+        (``DraftOn.ahead``): the step would discard it.
         """
         if ahead is not None:
             if self.session is None:
                 return None
             try:
                 proposal = await self.session.propose(
-                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s)
+                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s), ahead=True
                 )
             except SpecdecError as e:
                 if self.budget.passed():

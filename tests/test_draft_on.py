@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 from draft_service.drafter import Drafter
-from orchestrator.step import Cursor, settle
+from orchestrator.step import Cursor, ahead, settle
 from specdec import metrics
 from specdec.config import ModelServiceConfig
 from specdec.runtime.loading import load_model, load_tokenizer
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, Verdict
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire import WireShape
 from target_service.verifier import Verifier
@@ -159,6 +159,80 @@ def test_a_late_echo_is_skipped_and_a_head_start_never_outlives_its_session(llam
             await asyncio.sleep(0.05)
             assert task.cancelled() or task.done()
             assert p.draft.loop.queued == 0 and len(p.draft.sessions) == 3
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def _verdict(accepted: int, gamma: int = 3) -> Verdict:
+    """A verdict accepting the first ``accepted`` drafts (u = 0.5) and rejecting the next."""
+    p = [1.0] * accepted + [0.0] * (gamma - accepted)
+    return Verdict(p, [0.5] * gamma, [40 + i for i in range(gamma)], 50)
+
+
+def test_a_step_that_drafts_ahead_drafts_on_only_when_its_block_is_unused(llama_pair):
+    """``ahead``: the orchestrator may also ask for the block after x_gamma. On a
+    rejection that block is unused: the draft drafts on (after that block, if it is
+    being drafted), a propose for it coming after the echo gets no tokens, and the
+    next step's propose is answered from the head start exactly as if drafted anew.
+    On full acceptance the block drafted ahead may take the next step: no drafting on."""
+    params = SamplingParams(temperature=1.0)
+    u = [0.5] * 3
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            # Reference: the orchestrator's settle of a step rejecting x_2, then a propose.
+            d = await p.draft.open_draft("ref", PROMPT[:-1], params, SHAPE)
+            cursor = Cursor.fresh(PROMPT)
+            drafts = (await p.draft.propose(d, cursor.cache_len, cursor.pending, 3, 11)).tokens
+            block = ahead(cursor, drafts)
+            want_block = await p.draft.propose(d, block.cache_len, block.pending, 4, 31)
+            nxt = settle(Cursor(0, ()), cursor, drafts, _verdict(1), u).draft
+            want = await p.draft.propose(d, nxt.cache_len, nxt.pending, 3, 21)
+
+            async def step(sid: str):
+                s = await p.draft.open_draft(sid, PROMPT[:-1], params, SHAPE)
+                got = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11)
+                assert got.tokens == drafts
+                return s, s.extra.proposes
+
+            # 1. The echo first: the block asked for afterwards gets no tokens.
+            s, n = await step("echo-first")
+            p.draft.draft_on(s, n, cursor, drafts, _verdict(1), u, 3, 21, ahead=True)
+            assert s.extra.head is not None
+            used = _outcome("used")
+            empty = await p.draft.propose(s, block.cache_len, block.pending, 4, 31)
+            assert empty.tokens == [] and s.extra.head is not None
+            got = await p.draft.propose(s, nxt.cache_len, nxt.pending, 3, 21)
+            assert _outcome("used") == used + 1
+            assert got.tokens == want.tokens and s.length == d.length
+
+            # 2. The block drafted ahead first, still drafting when the echo comes.
+            s, n = await step("block-first")
+            drafting = asyncio.ensure_future(
+                p.draft.propose(s, block.cache_len, block.pending, 4, 31)
+            )
+            await asyncio.sleep(0)  # it has asked, and its forwards are queued
+            p.draft.draft_on(s, n, cursor, drafts, _verdict(1), u, 3, 21, ahead=True)
+            assert s.extra.head is not None
+            assert (await drafting).tokens == want_block.tokens  # drafted in full, first
+            got = await p.draft.propose(s, nxt.cache_len, nxt.pending, 3, 21)
+            assert _outcome("used") == used + 2
+            assert got.tokens == want.tokens and s.length == d.length
+
+            # 3. Every draft accepted: the block drafted ahead may chain; no drafting on.
+            for sid, block_first in (("all-echo-first", False), ("all-block-first", True)):
+                s, n = await step(sid)
+                if block_first:
+                    await p.draft.propose(s, block.cache_len, block.pending, 4, 31)
+                skipped = _outcome("skipped")
+                p.draft.draft_on(s, n, cursor, drafts, _verdict(3), u, 3, 21, ahead=True)
+                assert s.extra.head is None and _outcome("skipped") == skipped + 1
+                if not block_first:
+                    got = await p.draft.propose(s, block.cache_len, block.pending, 4, 31)
+                    assert got.tokens == want_block.tokens
         finally:
             await p.aclose()
 

@@ -28,6 +28,7 @@ from specdec.sampling import SamplingParams, probs_from_logits, residual_distrib
 
 from .conftest import WIRE_TOP_K
 from .inprocess import in_process
+from .stack import drafted_on, local_stack
 from .stats import CONCURRENT, tv, tv_threshold
 
 # ---- exact: the pipelined step's output distribution ----------------------------------------
@@ -218,6 +219,25 @@ def _check(stack, pair, params):
 def test_overlapped_sampling_follows_the_target(llama_stack, llama_pair):
     results, chained = _check(llama_stack, llama_pair, SamplingParams(1.0))
     assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+@pytest.mark.slow
+def test_overlapped_sampling_follows_the_target_when_drafting_on(tmp_path, llama_pair):
+    """Every step relayed, with drafting on: after a step that rejects, the next
+    proposal comes from a head start the draft drafted on the echoed verdict, while
+    the orchestrator also asked for the block drafted ahead (``DraftOn.ahead``)."""
+    with local_stack(
+        tmp_path / "stack",
+        *llama_pair,
+        orchestrator__wire_top_k=WIRE_TOP_K,
+        orchestrator__relay_max_requests=0,
+    ) as stack:
+        results, chained = _check(stack, llama_pair, SamplingParams(1.0))
+        used = drafted_on(stack, "used")
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    assert used > N // 10, f"only {used} head starts were used"
     for name, (dist, threshold) in results.items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
 

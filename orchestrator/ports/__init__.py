@@ -35,11 +35,14 @@ class WireCounter(Protocol):
 class DraftOn:
     """The draft drafts the next step as soon as the target echoes this one's verdict:
     this step's uniforms (it settles the step as ``settle`` will here), and the next
-    step's gamma and draft seed as this engine expects to ask for them."""
+    step's gamma and draft seed as this engine expects to ask for them. ``ahead``:
+    this step drafts ahead too, so the draft drafts on only when the verdict rejects
+    a draft (the block drafted ahead is then unused)."""
 
     uniforms: tuple[float, ...]  # [gamma] this step's
     gamma: int
     seed: int
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,12 @@ class DraftSession(Protocol):
         seed: int,
         timeout: float | None,
         relay: RelayTo | None = None,
+        ahead: bool = False,
     ) -> Proposal:
         """A draft from ``cursor``; with ``relay``, also sent on to the target (the
-        proposal says whether the target took it: ``Proposal.relayed``)."""
+        proposal says whether the target took it: ``Proposal.relayed``). ``ahead``: a
+        block drafted ahead, which has no tokens if an echoed verdict already made it
+        unused (``DraftOn.ahead``)."""
         ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...

@@ -45,6 +45,7 @@ class LocalDraftSession:
         seed: int,
         timeout: float | None = None,
         relay: RelayTo | None = None,  # nothing to relay around in one process
+        ahead: bool = False,
     ) -> Proposal:
         async with _deadline("draft", timeout):
             return await self.svc.propose(

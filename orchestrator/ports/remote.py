@@ -79,6 +79,7 @@ class RemoteDraftSession:
         seed: int,
         timeout: float | None,
         relay: RelayTo | None = None,
+        ahead: bool = False,
     ) -> Proposal:
         propose = draft_pb2.Propose(
             cache_len=cursor.cache_len, append_tokens=cursor.pending, gamma=gamma, seed=seed
@@ -94,8 +95,9 @@ class RemoteDraftSession:
                 on = to.draft_on
                 on.uniforms[:] = relay.draft_on.uniforms
                 on.gamma, on.seed = relay.draft_on.gamma, relay.draft_on.seed
+                on.ahead = relay.draft_on.ahead
         p = (await self.stream.ask(draft_pb2.DraftRequest(propose=propose), timeout)).proposal
-        if len(p.tokens) != gamma:
+        if len(p.tokens) != gamma and not (ahead and not p.tokens):
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
         if self.stream.counter is not None and p.relay_bytes:
             self.stream.counter.count("relay", p.relay_bytes, 0)

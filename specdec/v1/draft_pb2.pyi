@@ -55,14 +55,16 @@ class RelayTo(_message.Message):
     def __init__(self, target: _Optional[str] = ..., relay_token: _Optional[bytes] = ..., verify: _Optional[_Union[_target_pb2.Verify, _Mapping]] = ..., draft_on: _Optional[_Union[DraftOn, _Mapping]] = ...) -> None: ...
 
 class DraftOn(_message.Message):
-    __slots__ = ("uniforms", "gamma", "seed")
+    __slots__ = ("uniforms", "gamma", "seed", "ahead")
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     uniforms: _containers.RepeatedScalarFieldContainer[float]
     gamma: int
     seed: int
-    def __init__(self, uniforms: _Optional[_Iterable[float]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, uniforms: _Optional[_Iterable[float]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes")
