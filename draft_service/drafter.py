@@ -50,8 +50,8 @@ class HeadStart:
     feed: tuple[int, ...]
     gamma: int
     seed: int
-    started: float
-    task: asyncio.Future  # -> Proposal
+    started: float  # when its drafting began (after a block drafted ahead, if any)
+    task: asyncio.Future | None  # -> Proposal; set once made
     limit: list[int]  # [tokens to draft]: lowered when a propose asks for fewer
 
 
@@ -179,20 +179,21 @@ class Drafter(ModelService):
             state.moot = block
         feed, limit = list(nxt.pending), [gamma]
         job = self._draft(session, feed, gamma, seed, limit)
-        task = asyncio.ensure_future(self._head_start(session, nxt.cache_len, job, after))
-        task.add_done_callback(_consume)
-        state.head = HeadStart(
-            nxt.cache_len, tuple(feed), gamma, seed, time.perf_counter(), task, limit
-        )
+        head = HeadStart(nxt.cache_len, tuple(feed), gamma, seed, time.perf_counter(), None, limit)
+        head.task = asyncio.ensure_future(self._head_start(session, head, job, after))
+        head.task.add_done_callback(_consume)
+        state.head = head
 
     async def _head_start(
-        self, session: Session, cache_len: int, job: Job, after: asyncio.Future | None
+        self, session: Session, head: HeadStart, job: Job, after: asyncio.Future | None
     ) -> Proposal:
         """A head start's drafting: once ``after`` (a block being drafted ahead) is
-        done, from ``cache_len``."""
+        done, from the head start's cursor. (Its time counts from then: the
+        proposal's compute_s feeds the orchestrator's cost model.)"""
         if after is not None and not after.done():
             await asyncio.wait([after])  # (never cancels it)
-        self.roll_back_to(session, cache_len)
+            head.started = time.perf_counter()
+        self.roll_back_to(session, head.cache_len)
         return await self.run(job, "propose")
 
     async def settle_head(self, session: Session, asked=None) -> HeadStart | None:
