@@ -17,7 +17,8 @@ rotating; medians and paired ratios):
 - concurrent clients at T=1 (``--clients``), adaptive, shared cores.
 ``--baseline waiting``: the second orchestrator relays too, but without
 drafting on (``orchestrator.draft_on: false``: the draft waits for each
-propose), so the two differ only in drafting on.
+propose), so the two differ only in drafting on. ``--baseline no-ahead``: it
+drafts on too, but not in steps that draft ahead (``draft_on_ahead: false``).
 Prints a table; writes results.json and results.md.
 """
 
@@ -60,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--baseline",
-        choices=["direct", "waiting"],
+        choices=["direct", "waiting", "no-ahead"],
         default="direct",
-        help="the second orchestrator: no relay (direct), or a relay without drafting on",
+        help="the second orchestrator: no relay (direct), a relay without drafting on "
+        "(waiting), or drafting on but not in steps that draft ahead (no-ahead)",
     )
     ap.add_argument("--out", default=f"results/relay-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         base_sets = {**sets, "orchestrator.relay": False}
         if args.baseline == "waiting":
             base_sets = {**relay_sets, "orchestrator.draft_on": False}
+        elif args.baseline == "no-ahead":
+            base_sets = {**relay_sets, "orchestrator.draft_on_ahead": False}
         info["baseline"] = args.baseline
         direct = {
             "relay": relay_address,
@@ -165,9 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         "of the paired per-round ratios. relay = the defaults (`orchestrator.relay` and "
         "`draft_on` true), "
         + (
-            "direct = `relay: false`"
-            if args.baseline == "direct"
-            else "direct = the same relay with `draft_on: false` (the draft waits for each propose)"
+            {
+                "direct": "direct = `relay: false`",
+                "waiting": "direct = the same relay with `draft_on: false` (the draft waits "
+                "for each propose)",
+                "no-ahead": "direct = drafting on too, but not in steps that draft ahead "
+                "(`draft_on_ahead: false`)",
+            }[args.baseline]
         )
         + "; one draft and one target behind both.",
     ) + [

@@ -440,6 +440,7 @@ class Generation:
                     # leaves that block unused (``DraftOn.ahead``). Not with rollbacks
                     # between steps, nor in what may be the last step.
                     wait = self.o.explicit_rollback or remaining <= gamma + 1
+                    wait = wait or (overlap and not self.o.draft_on_ahead)
                     if relay is not None and self.o.draft_on and not wait:
                         next_gamma = self.choose_next(remaining - gamma - 1, gamma)
                         if next_gamma:

@@ -187,6 +187,10 @@ class OrchestratorConfig:
     # propose is answered from that draft when it asks for the same (DraftOn in
     # protos/specdec/v1/draft.proto). Takes the orchestrator off the step's path.
     draft_on: bool = True
+    # ... in steps that draft ahead (overlap) too, after a verdict that leaves the
+    # block drafted ahead unused (DraftOn.ahead). The draft then drafts two blocks in
+    # a row, which costs where it shares a core with the orchestrator.
+    draft_on_ahead: bool = True
     # Tokenizer for text prompts; empty uses the target's model directory.
     tokenizer: str = ""
     # Seconds to wait at start-up for draft and target to answer Info.
