@@ -251,7 +251,8 @@ DRAFTED_ON = Counter(
     "Drafts started on a verdict the target echoed, before their propose came: used "
     "(the propose asked for them), discarded (it asked for something else, or the "
     "session ended first), or skipped (none started: a newer propose had come already, "
-    "or the next step would not fit the draft's cache or context).",
+    "the next step would not fit the draft's cache or context, or a step drafting ahead "
+    "accepted every draft, so its block drafted ahead may take the next step).",
     ["outcome"],
     registry=None,
 )
