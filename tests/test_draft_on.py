@@ -269,3 +269,26 @@ def test_draft_on_fields_are_validated_by_name(llama_stack):
                 assert field in e.value.details()
 
     asyncio.run(go())
+
+
+def test_only_a_block_drafted_ahead_may_come_back_empty():
+    """The orchestrator's draft port takes a proposal with no tokens only for a block
+    drafted ahead (the draft knew the verdict made it unused); for any other propose
+    it is a broken draft, UNAVAILABLE."""
+    from orchestrator.ports.remote import RemoteDraftSession
+    from specdec.errors import Unavailable
+
+    class Stream:  # answers every propose with no tokens
+        counter = None
+
+        async def ask(self, request, timeout, stale=None):
+            return draft_pb2.DraftReply(proposal=draft_pb2.Proposal(cache_len=7))
+
+    async def go():
+        session = RemoteDraftSession(Stream())
+        ahead = await session.propose(Cursor(6, (5,)), 4, 1, None, ahead=True)
+        assert ahead.tokens == []
+        with pytest.raises(Unavailable, match="sent 0 of 4 tokens"):
+            await session.propose(Cursor(6, (5,)), 4, 1, None)
+
+    asyncio.run(go())
