@@ -6,6 +6,7 @@ logic lives here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -202,6 +203,27 @@ def start_services(
     stack = Stack(path, cfg, log_dir=log_dir)
     stack.procs = start_local(str(path), [], log_dir=log_dir)
     return stack
+
+
+@contextlib.contextmanager
+def stacks_per_arm(
+    out: Path, draft: str, target: str, key: str, arms: dict[str, object]
+) -> Iterator[dict[str, Stack]]:
+    """One stack per arm (``{arm: value}``), its draft and target services with the
+    model-service setting ``key`` set to the arm's value, one thread each (as the
+    side-by-side benchmarks run them); all stopped on exit."""
+    stacks: dict[str, Stack] = {}
+    try:
+        for arm, value in arms.items():
+            keys = {key: value}
+            stacks[arm] = start_services(
+                out / arm, draft, target, threads=1, draft_threads=1,
+                settings={"draft": keys, "target": keys},
+            )  # fmt: skip
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            stack.stop()
 
 
 class Client:

@@ -31,7 +31,7 @@ from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, stacks_per_arm
 from .plain_runs import save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
@@ -108,14 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {role} | {shape} | {t['wrapped']:.3f} ({t['wrapped_best']:.3f}) | "
                 f"{t['lean']:.3f} ({t['lean_best']:.3f}) | {t['lean'] / t['wrapped']:.2f} |"
             )
-    stacks = {}
-    try:
-        for arm in ARMS:
-            keys = {"lean_forward": arm == "lean"}
-            stacks[arm] = start_services(
-                out / arm, args.draft, args.target, threads=1, draft_threads=1,
-                settings={"draft": keys, "target": keys},
-            )  # fmt: skip
+    arms = {arm: arm == "lean" for arm in ARMS}
+    with stacks_per_arm(out, args.draft, args.target, "lean_forward", arms) as stacks:
         clients = {arm: Client(stacks[arm].orchestrator_address) for arm in ARMS}
         via = {f"{arm}:{m}": clients[arm] for arm in ARMS for m in MODES}
         configs = {f"{arm}:{m}": fields for arm in ARMS for m, fields in MODES.items()}
@@ -125,9 +119,6 @@ def main(argv: list[str] | None = None) -> int:
             {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, MAX_NEW, args.repeats,
             args.warm, args.window,
         )  # fmt: skip
-    finally:
-        for stack in stacks.values():
-            stack.stop()
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
         "Passes calling the decoder layers directly against the wrapped forward",

@@ -29,7 +29,7 @@ from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, stacks_per_arm
 from .plain_runs import save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES as MODES
 from .run import sustained_round, sustained_side_by_side
@@ -101,14 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {role} | {shape} | {t['stock']:.2f} | {t['packed']:.2f} | "
                 f"{t['packed'] / t['stock']:.2f} |"
             )
-    stacks = {}
-    try:
-        for arm, on in (("stock", False), ("packed", True)):
-            keys = {"packed_linear": on}
-            stacks[arm] = start_services(
-                out / arm, args.draft, args.target, threads=1, draft_threads=1,
-                settings={"draft": keys, "target": keys},
-            )  # fmt: skip
+    arms = {"stock": False, "packed": True}
+    with stacks_per_arm(out, args.draft, args.target, "packed_linear", arms) as stacks:
         for stack in stacks.values():  # warm up
             sustained_round(stack.orchestrator_address, 4, MODES["adaptive"], PROMPTS, MAX_NEW,
                             1.0, 1.0, 99)  # fmt: skip
@@ -117,9 +111,6 @@ def main(argv: list[str] | None = None) -> int:
             {m: MODES[m] for m in args.modes}, PROMPTS, MAX_NEW, args.repeats, args.warm,
             args.window,
         )  # fmt: skip
-    finally:
-        for stack in stacks.values():
-            stack.stop()
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
         "oneDNN-packed linear layers against torch's stock ones",
