@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
     ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
     ap.add_argument("--passes", type=int, default=200, help="passes per arm and shape")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
     ap.add_argument("--out", default=f"results/lean-forward-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -113,19 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         clients = {arm: Client(stacks[arm].orchestrator_address) for arm in ARMS}
         via = {f"{arm}:{m}": clients[arm] for arm in ARMS for m in MODES}
         configs = {f"{arm}:{m}": fields for arm in ARMS for m, fields in MODES.items()}
-        one = measure(via, configs, PROMPTS[:8], MAX_NEW, args.repeats)
+        one = measure(via, configs, PROMPTS[:8], args.max_new_tokens, args.repeats)
         rates = sustained_side_by_side(
             {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
-            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, MAX_NEW, args.repeats,
-            args.warm, args.window,
+            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
+            args.repeats, args.warm, args.window,
         )  # fmt: skip
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
         "Passes calling the decoder layers directly against the wrapped forward",
         info,
         f"Pass times: {args.passes} passes per arm, alternating, one thread. Services: "
-        f"one client, {args.repeats} interleaved rounds of 8 prompts x {MAX_NEW} tokens "
-        f"per mode; sustained rounds ({args.warm:g} s not counted, {args.window:g} s "
+        f"one client, {args.repeats} interleaved rounds of 8 prompts x {args.max_new_tokens} "
+        f"tokens per mode; sustained rounds ({args.warm:g} s not counted, {args.window:g} s "
         f"counted), T=1, {args.repeats} per configuration.",
     )
     lines += ["## Pass times (median ms)", ""] + rows

@@ -113,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
             "relay": relay_address,
             "direct": stack.start_orchestrator("orch-direct", d, t, base_sets)[0],
         }
-        pd, pt = proxies.add(d), proxies.add(t)
-        proxied = {
-            "relay": stack.start_orchestrator("orch-relay-proxied", pd, pt, relay_sets)[0],
-            "direct": stack.start_orchestrator("orch-direct-proxied", pd, pt, base_sets)[0],
-        }
         if args.no_one_client:
             args.rtts = []
-        elif not args.rtts_only:
+        proxied = {}  # through the delay proxies, for the RTT parts only
+        if args.rtts:
+            pd, pt = proxies.add(d), proxies.add(t)
+            proxied = {
+                "relay": stack.start_orchestrator("orch-relay-proxied", pd, pt, relay_sets)[0],
+                "direct": stack.start_orchestrator("orch-direct-proxied", pd, pt, base_sets)[0],
+            }
+        if not (args.no_one_client or args.rtts_only):
             rates |= interleaved(one_client_configs(direct, " shared"), args.repeats)
             print("shared cores done", flush=True)
         if args.rtts:

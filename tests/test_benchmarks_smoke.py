@@ -217,7 +217,7 @@ def test_lean_forward_side_by_side_writes_results(tmp_path, llama_pair):
     _run_module(
         "benchmarks.lean_forward", "--draft", str(draft), "--target", str(target),
         "--clients", "2", "--repeats", "1", "--warm", "0.2", "--window", "0.5",
-        "--passes", "2", "--out", str(tmp_path), timeout=300,
+        "--passes", "2", "--max-new-tokens", "8", "--out", str(tmp_path), timeout=300,
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["median"]["2 clients, seq4, wrapped"] > 0
