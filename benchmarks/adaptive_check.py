@@ -35,15 +35,21 @@ from .report import held_out_best
 from .run import DRAFT_CORE, _run_prompts, pin_stack, unpin_self
 
 
-def configs_for(address: str, temp: float, gammas: list[int], prompts, tokens: int) -> dict:
-    """name -> f(round) giving one round's tok/s through ``address``."""
+def configs_for(
+    address: str, temp: float, gammas: list[int], prompts, tokens: int, baseline: str | None
+) -> dict:
+    """name -> f(round) giving one round's tok/s through ``address`` (and adaptive
+    through ``baseline``'s orchestrator as "baseline")."""
     fields = {"adaptive": {"gamma": None, "seed": None}, "plain": {"gamma": 0}}
+    if baseline:
+        fields["baseline"] = {"gamma": None, "seed": None, "via": baseline}
     for g in gammas:
         fields[f"seq{g}"] = {"gamma": g, "overlap": False}
         fields[f"ovl{g}"] = {"gamma": g, "overlap": True}
 
     def run(f: dict, r: int) -> float:
-        c = Client(address)
+        f = dict(f)
+        c = Client(f.pop("via", address))
         try:
             t = _run_prompts(c, prompts, tokens, {**f, "temperature": temp}, r)
         finally:
@@ -51,6 +57,11 @@ def configs_for(address: str, temp: float, gammas: list[int], prompts, tokens: i
         return t["tokens"] / t["wall_s"]
 
     return {name: (lambda r, f=f: run(f, r)) for name, f in fields.items()}
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """The median of the per-round ratios a / b."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def plot(out: Path, results: dict) -> None:
@@ -86,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gammas", type=int, nargs="*", default=[3, 4, 5, 6])
     ap.add_argument("--prompts", type=int, default=4, help="per round, one after the other")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument(
+        "--baseline-set",
+        nargs="*",
+        default=[],
+        help="KEY=VALUE config settings of a second orchestrator whose adaptive requests "
+        "are measured beside (as 'baseline'), e.g. orchestrator.adaptive_draft_lead=false",
+    )
     ap.add_argument("--out", default=f"results/adaptive-check-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -98,22 +116,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pd, pt = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))
         address, _ = stack.start_orchestrator("orchestrator-proxied", pd, pt)
+        baseline = None
+        if args.baseline_set:
+            sets = dict(kv.split("=", 1) for kv in args.baseline_set)
+            sets = {k: {"true": True, "false": False}.get(v, v) for k, v in sets.items()}
+            baseline, _ = stack.start_orchestrator("orchestrator-baseline", pd, pt, sets)
+            info["baseline_set"] = args.baseline_set
         pin_stack(stack)
         stack.pin_extra(DRAFT_CORE)
         for rtt in args.rtts:
             proxies.set_rtt_ms(rtt)
             for temp in args.temperatures:
                 key = f"+{rtt:g} ms, T={temp:g}"
-                configs = configs_for(address, temp, args.gammas, prompts, args.max_new_tokens)
+                configs = configs_for(
+                    address, temp, args.gammas, prompts, args.max_new_tokens, baseline
+                )
                 rates = interleaved(configs, args.repeats)
                 fixed = {k: v for k, v in rates.items() if k[0] in "so"}
                 results[key] = {
                     "rates": rates,
                     "held_out": held_out_best(rates["adaptive"], fixed),
-                    "vs_plain": statistics.median(
-                        a / p for a, p in zip(rates["adaptive"], rates["plain"], strict=True)
-                    ),
+                    "vs_plain": paired(rates["adaptive"], rates["plain"]),
                 }
+                if baseline:
+                    results[key]["baseline_held_out"] = held_out_best(rates["baseline"], fixed)
+                    results[key]["vs_baseline"] = paired(rates["adaptive"], rates["baseline"])
                 h = results[key]["held_out"]
                 print(
                     f"{key}: adaptive / best fixed {h['ratio']:.3f} held out, "
@@ -150,6 +177,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{h['in_sample']:.3f} | **{h['ratio']:.3f}** ({per_round}) "
             f"| {picks} | {point['vs_plain']:.3f} |"
         )
+    if any("vs_baseline" in point for point in results.values()):
+        lines += [
+            "",
+            f"Beside it, adaptive through a second orchestrator with "
+            f"`{' '.join(args.baseline_set)}` (baseline):",
+            "",
+            "| point | baseline / best, held out | adaptive / baseline (paired) |",
+            "|---" * 3 + "|",
+        ]
+        for key, point in results.items():
+            lines.append(
+                f"| {key} | {point['baseline_held_out']['ratio']:.3f} | "
+                f"{point['vs_baseline']:.3f} |"
+            )
     lines += ["", "Every configuration's median tok/s:", ""]
     names = list(next(iter(results.values()))["rates"]) if results else []
     lines += ["| point | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

@@ -103,7 +103,7 @@ class Drafter(ModelService):
         state.asked, state.drafting = ask, None
         head = await self.settle_head(session, (*ask, gamma, seed))
         if head is not None:
-            return self._from_head(session, head, gamma)
+            return self._from_head(session, head, gamma, start)
         self.roll_back_to(session, cache_len)
         state.drafting = drafted = asyncio.get_running_loop().create_future()
         try:
@@ -222,8 +222,11 @@ class Drafter(ModelService):
         metrics.DRAFTED_ON.labels("discarded").inc()
         return None
 
-    def _from_head(self, session: Session, head: HeadStart, gamma: int) -> Proposal:
-        """The head start's proposal, cut to ``gamma`` tokens if it drafted more."""
+    def _from_head(
+        self, session: Session, head: HeadStart, gamma: int, asked_at: float
+    ) -> Proposal:
+        """The head start's proposal, cut to ``gamma`` tokens if it drafted more;
+        ``asked_at``: when its propose arrived (its lead: the time drafted before)."""
         proposal: Proposal = head.task.result()
         if gamma < len(proposal.tokens):
             proposal.forward_s *= gamma / len(proposal.tokens)
@@ -231,6 +234,7 @@ class Drafter(ModelService):
             self.roll_back_to(session, head.cache_len + len(head.feed) + gamma - 1)
             proposal.cache_len = session.length
         proposal.compute_s = time.perf_counter() - head.started
+        proposal.lead_s = min(proposal.compute_s, max(0.0, asked_at - head.started))
         return proposal
 
     async def rollback_draft(self, session: Session, cache_len: int) -> int:

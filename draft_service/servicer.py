@@ -87,6 +87,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 batch_tokens=proposal.batch_tokens,
                 relayed=relayed,
                 relay_bytes=relay_bytes,
+                lead_s=proposal.lead_s,
             )
             if not relayed:
                 out.q.CopyFrom(q)

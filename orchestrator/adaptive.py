@@ -20,7 +20,16 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
 where R_d, R_t are the round trips to each service beyond its compute
 (network, gRPC), D(g) = D_0 + g d the draft's time to draft g tokens (a part
 per call and one per drafted token) and V(g) the target's time to verify g
-drafts. Nobody configures any of these: every reply carries
+drafts. A block the draft drafts on from the target's echo (``draft_on``)
+started a lead L before its propose arrived, so only max(0, D(g) - L) of it is
+on the step's path: with a share s of the steps' blocks drafted on (both
+measured: every proposal says how much of its compute came before its
+propose), the step is charged D(g) - s min(D(g), L) wherever D(g) stands
+above for a block drafted in the step. (Charging the whole D(g) priced every
+drafted token at its full compute although the lead hides the first
+milliseconds of each block, most of a block at 10 ms round trips, so longer
+blocks looked dearer than they are: measured on the demo pair, adaptive
+greedy chose gamma 3 where 4-6 were faster.) Nobody configures any of these: every reply carries
 the service's compute time, its forward pass's time and the tokens that pass
 carried for all sessions together; the orchestrator times the call.
 
@@ -274,6 +283,10 @@ class CostModel:
     # token. (Averaged per token, the part per call would be charged gamma times.)
     draft_extra: _Line = field(default_factory=lambda: _Line(0.0002, 0.0001))
     rtt_draft_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
+    # Blocks drafted on from the target's echo: their share of the drafting steps,
+    # and how long before its propose such a block started (its lead).
+    drafted_on: _Ewma = field(default_factory=lambda: _Ewma(0.0))
+    draft_lead_s: _Ewma = field(default_factory=lambda: _Ewma(0.0))
     rtt_target_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
     # Sessions sharing a pass (1: alone).
     target_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
@@ -289,6 +302,8 @@ class CostModel:
     guards: dict = field(default_factory=dict)
     # The check runs only while at least this many requests generate at once.
     check_min_requests: int = 1
+    # Count a block's lead (``draft_path_cost``); False: its whole drafting time.
+    count_lead: bool = True
 
     def guard(self, greedy: bool, requests: int) -> PlainGuard | None:
         """The check against plain decoding for this sampling class with ``requests``
@@ -305,15 +320,29 @@ class CostModel:
 
     # ---- observations ---------------------------------------------------------------
     def observe_draft(
-        self, gamma: int, wall_s: float, compute_s: float, forward_s: float, batch_tokens: float
+        self,
+        gamma: int,
+        wall_s: float,
+        compute_s: float,
+        forward_s: float,
+        batch_tokens: float,
+        lead_s: float = 0.0,
     ) -> None:
+        """A propose call of ``gamma`` tokens: its wall time here, and the service's
+        compute (``lead_s`` of it before the call arrived: drafted on from an echo)."""
         if gamma <= 0 or compute_s <= 0:
             return
         if forward_s > 0 and batch_tokens > 0:
             self.draft_pass.add(batch_tokens, forward_s / gamma)
             self.draft_sessions.add(max(1.0, batch_tokens))
         self.draft_extra.add(gamma, max(0.0, compute_s - forward_s))
-        self.rtt_draft_s.add(max(0.0, wall_s - compute_s))
+        lead_s = min(max(0.0, lead_s), compute_s) if self.count_lead else 0.0
+        self.rtt_draft_s.add(max(0.0, wall_s - (compute_s - lead_s)))
+        self.drafted_on.add(1.0 if lead_s > 0 else 0.0)
+        if lead_s > 0:
+            self.draft_lead_s.add(lead_s)
+        metrics.ESTIMATE.labels("drafted_on_share").set(self.drafted_on.value)
+        metrics.ESTIMATE.labels("draft_lead_seconds").set(self.draft_lead_s.value)
         metrics.ESTIMATE.labels("draft_token_seconds").set(self.draft_token_s())
         metrics.ESTIMATE.labels("draft_call_seconds").set(self.draft_extra.a)
         metrics.ESTIMATE.labels("rtt_draft_seconds").set(self.rtt_draft_s.value)
@@ -409,6 +438,14 @@ class CostModel:
         """The draft service's seconds for a propose call of ``gamma`` tokens."""
         return self.draft_extra.a + gamma * self.draft_token_s()
 
+    def draft_path_cost(self, gamma: int) -> float:
+        """The part of ``draft_cost(gamma)`` on a step's path: D(g) - s min(D(g), L)
+        (a share s of the blocks drafted on, a lead L ahead of their propose)."""
+        d = self.draft_cost(gamma)
+        if not self.count_lead:
+            return d
+        return d - self.drafted_on.value * min(d, self.draft_lead_s.value)
+
     def plain_pass_cost(self) -> float:
         """The target's seconds per pass of a plain run (as measured once seen)."""
         if not self.plain_pass_s.seen:
@@ -437,7 +474,7 @@ class CostModel:
         if gamma == 0:
             return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
         verify = self.rtt_target_s.value + self.verify_cost(gamma)
-        draft = self.rtt_draft_s.value + self.draft_cost(gamma)
+        draft = self.rtt_draft_s.value + self.draft_path_cost(gamma)
         if not overlap:
             return scale * (draft + verify)
         chained = alpha ** (gamma + match)

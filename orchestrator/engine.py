@@ -105,7 +105,9 @@ class Orchestrator:
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self.cost = CostModel(
-            max_gamma=o.max_gamma, check_min_requests=o.adaptive_plain_check_min_requests
+            max_gamma=o.max_gamma,
+            check_min_requests=o.adaptive_plain_check_min_requests,
+            count_lead=o.adaptive_draft_lead,
         )
         self.monitor = ExactnessMonitor(o.monitor_fraction, o.monitor_window)
         for stage in ("propose", "verify", "rollback", "orchestrator"):
@@ -580,6 +582,7 @@ class Generation:
                 drafted.compute_s,
                 drafted.forward_s,
                 drafted.batch_tokens,
+                drafted.lead_s,
             )
         cost.observe_verify(
             len(verdict.p_draft),

@@ -135,6 +135,10 @@ class OrchestratorConfig:
     # it the cost model decides alone: there the check's trials and noise cost more
     # than it finds (docs/benchmarks.md, "The measured check against plain decoding").
     adaptive_plain_check_min_requests: int = 8
+    # The cost model counts only the part of a block drafted on from the target's
+    # echo (draft_on) that comes after its propose: the rest was drafted during the
+    # hops back. False: every block's whole drafting time counts (before 2026-12-02).
+    adaptive_draft_lead: bool = True
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so

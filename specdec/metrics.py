@@ -127,7 +127,8 @@ CHOSEN_GAMMA = Histogram(
 ESTIMATE = Gauge(
     "specdec_adaptive_estimate",
     "The cost model's current estimates: alpha, draft seconds per token, verify seconds "
-    "(plain and per verified position), round-trip seconds to each service.",
+    "(plain and per verified position), round-trip seconds to each service, the share "
+    "of blocks drafted on from an echo and their lead.",
     ["quantity"],
     registry=None,
 )

@@ -330,6 +330,8 @@ class Proposal:
     # target session without a verify from here, and q is not at hand.
     relayed: bool = False
     relay_bytes: int = 0  # what that relay put on the wire
+    # Of compute_s, the seconds before the propose arrived (drafted on from an echo).
+    lead_s: float = 0.0
 
 
 @dataclass

@@ -38,6 +38,27 @@ def test_an_expensive_draft_or_network_moves_the_choice():
     assert model(rtt=0.010).choose(0.8, 16, False)[0] >= model(rtt=0.0).choose(0.8, 16, False)[0]
 
 
+def test_a_block_drafted_on_ahead_of_its_propose_costs_the_step_only_the_rest():
+    """With the draft drafting on from the target's echo, a lead L of every block is
+    off the step's path: longer blocks get cheaper, and the round trip to the draft
+    is the propose's wall time less the compute after it arrived."""
+    m = model(draft=0.002, rtt=0.001)
+    without = m.choose(0.72, 16, allow_overlap=False)[0]
+    assert abs(m.draft_path_cost(4) - m.draft_cost(4)) < 1e-12  # nothing drafted on yet
+    for _ in range(50):  # every block drafted on, 7.5 ms of its 8 before its propose
+        m.observe_draft(4, wall_s=0.0015, compute_s=0.008, forward_s=0.008,
+                        batch_tokens=1.0, lead_s=0.0075)  # fmt: skip
+    assert abs(m.drafted_on.value - 1.0) < 1e-9 and abs(m.draft_lead_s.value - 0.0075) < 1e-9
+    assert abs(m.rtt_draft_s.value - 0.001) < 1e-9  # 1.5 ms - (8 - 7.5) ms
+    assert abs(m.draft_path_cost(5) - (m.draft_cost(5) - 0.0075)) < 1e-12
+    assert m.draft_path_cost(3) < 1e-5  # a block no longer than the lead: all hidden
+    assert m.choose(0.72, 16, allow_overlap=False)[0] > without
+    for _ in range(200):  # then no block is drafted on: the whole block counts again
+        m.observe_draft(4, 0.009, 0.008, 0.008, 1.0)
+    assert m.drafted_on.value < 0.01
+    assert m.choose(0.72, 16, allow_overlap=False)[0] == without
+
+
 def test_plain_runs_pay_the_round_trip_once():
     m = model(rtt=0.010)
     # A run of 8 costs one round trip and 8 passes; one token per step pays it each time.

@@ -64,7 +64,8 @@ async def _first_step(p: Pair, params: SamplingParams, sid: str, gamma: int = 3)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_head_start_answers_exactly_the_propose_it_equals(llama_pair, temperature):
     """The next proposal drafted on an echoed verdict equals the one drafted when
-    asked: same tokens, same q, same cache; a shorter ask takes its first tokens."""
+    asked: same tokens, same q, same cache; a shorter ask takes its first tokens.
+    It says how long it was drafting before its propose arrived (lead_s)."""
     params = SamplingParams(temperature=temperature)
     u = [0.3, 0.6, 0.9]
 
@@ -82,8 +83,11 @@ def test_a_head_start_answers_exactly_the_propose_it_equals(llama_pair, temperat
                 used = _outcome("used")
                 p.draft.draft_on(head, proposes, cursor, drafts, verdict, u, 3, 21)
                 assert head.extra.head is not None
+                await asyncio.sleep(0.05)  # the propose comes this long after the echo
                 got = await p.draft.propose(head, nxt.cache_len, nxt.pending, ask, 21)
                 assert _outcome("used") == used + 1
+                # How much of its compute came before the propose (the cost model's lead).
+                assert want.lead_s == 0.0 and 0.04 <= got.lead_s <= got.compute_s
                 assert got.tokens == want.tokens
                 assert [(q.ids.tolist(), q.counts.tolist()) for q in got.qs] == [
                     (q.ids.tolist(), q.counts.tolist()) for q in want.qs

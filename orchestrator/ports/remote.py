@@ -111,6 +111,7 @@ class RemoteDraftSession:
             batch_tokens=p.batch_tokens,
             relayed=p.relayed,
             relay_bytes=p.relay_bytes,
+            lead_s=p.lead_s,
         )
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:

@@ -67,7 +67,7 @@ class DraftOn(_message.Message):
     def __init__(self, uniforms: _Optional[_Iterable[float]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes")
+    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes", "lead_s")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Proposal(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     RELAY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEAD_S_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _common_pb2.PackedQ
     cache_len: int
@@ -84,4 +85,5 @@ class Proposal(_message.Message):
     batch_tokens: float
     relayed: bool
     relay_bytes: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ..., relayed: _Optional[bool] = ..., relay_bytes: _Optional[int] = ...) -> None: ...
+    lead_s: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ..., relayed: _Optional[bool] = ..., relay_bytes: _Optional[int] = ..., lead_s: _Optional[float] = ...) -> None: ...
