@@ -27,11 +27,13 @@ measured: every proposal says how much of its compute came before its
 propose), the step is charged D(g) - s min(D(g), L) wherever D(g) stands
 above for a block drafted in the step. (Charging the whole D(g) priced every
 drafted token at its full compute although the lead hides the first
-milliseconds of each block, most of a block at 10 ms round trips, so longer
-blocks looked dearer than they are: measured on the demo pair, adaptive
-greedy chose gamma 3 where 4-6 were faster.) Nobody configures any of these: every reply carries
-the service's compute time, its forward pass's time and the tokens that pass
-carried for all sessions together; the orchestrator times the call.
+milliseconds of each block (6.8 ms measured on the demo pair, on loopback),
+so longer blocks looked dearer than they are: adaptive greedy chose gamma 3
+where 4-6 were faster. Side by side the change measured 0.99-1.11x, median
+1.01: docs/benchmarks.md, "Adaptive gamma against the best fixed gamma".)
+Nobody configures any of these: every reply carries the service's compute
+time, its forward pass's time and the tokens that pass carried for all
+sessions together; the orchestrator times the call.
 
 **Under load, less speculation.** A forward pass costs about a + b * tokens
 (the fixed cost of reading the weights, plus the per-token work), fitted
