@@ -530,6 +530,7 @@ class Generation:
             t4 - t0,
             run=1 if drafts else len(outcome.tokens),
             match=match,
+            drafted=drafted_now,
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)

@@ -160,6 +160,31 @@ def test_a_kind_of_step_slower_than_modelled_loses_to_the_others():
     assert m.choose(0.8, 16, allow_overlap=True)[1] is False
 
 
+def test_a_step_is_calibrated_against_its_own_start_not_the_average_one():
+    """Steps that took a block drafted ahead skip the draft; if the model compared
+    them with the average step, choosing the kinds unevenly (a sequential step after
+    each chained one, drafting ahead only after fresh drafts) would read sequential
+    steps as cheap and overlapped ones as dear, though each took what it should."""
+    m = model(draft=0.002, rtt=0.002)
+    a, g = 0.84, 5
+    assert m.choose(a, 16, allow_overlap=True) == (g, True)
+    for _ in range(100):
+        for overlap, drafted in ((True, True), (False, False)):
+            took = m.step_cost(g, a, overlap, calibrated=False, drafted=drafted)
+            m.observe_step(g, overlap, a, took, drafted=drafted)
+    assert abs(m.calibration("overlapped") - 1.0) < 1e-9
+    assert abs(m.calibration("sequential") - 1.0) < 1e-9
+    assert m.choose(a, 16, allow_overlap=True) == (g, True)
+    # Without the step's own start, the same times would tip the choice.
+    biased = model(draft=0.002, rtt=0.002)
+    for _ in range(100):
+        for overlap, drafted in ((True, True), (False, False)):
+            took = m.step_cost(g, a, overlap, calibrated=False, drafted=drafted)
+            biased.observe_step(g, overlap, a, took, drafted=None)
+    assert biased.calibration("overlapped") > 1.05 > 0.95 > biased.calibration("sequential")
+    assert biased.choose(a, 16, allow_overlap=True)[1] is False
+
+
 def test_the_pool_alpha_is_accepted_over_judged_not_a_mean_of_step_ratios():
     import random
 
