@@ -30,7 +30,7 @@ from pathlib import Path
 from specdec.local.proxy import ProxyGroup
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
-from .plain_runs import interleaved, save_side_by_side, side_by_side_header
+from .plain_runs import interleaved, paired, save_side_by_side, side_by_side_header
 from .report import held_out_best
 from .run import DRAFT_CORE, _run_prompts, pin_stack, unpin_self
 
@@ -57,11 +57,6 @@ def configs_for(
         return t["tokens"] / t["wall_s"]
 
     return {name: (lambda r, f=f: run(f, r)) for name, f in fields.items()}
-
-
-def paired(a: list[float], b: list[float]) -> float:
-    """The median of the per-round ratios a / b."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def plot(out: Path, results: dict) -> None:
@@ -118,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         address, _ = stack.start_orchestrator("orchestrator-proxied", pd, pt)
         baseline = None
         if args.baseline_set:
-            sets = dict(kv.split("=", 1) for kv in args.baseline_set)
-            sets = {k: {"true": True, "false": False}.get(v, v) for k, v in sets.items()}
+            sets = dict(kv.split("=", 1) for kv in args.baseline_set)  # parsed as --set
             baseline, _ = stack.start_orchestrator("orchestrator-baseline", pd, pt, sets)
             info["baseline_set"] = args.baseline_set
         pin_stack(stack)

@@ -74,6 +74,11 @@ def interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
     return rates
 
 
+def paired(a: list[float], b: list[float]) -> float:
+    """The median of the per-round ratios a / b (rounds interleaved, so paired)."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def _loads(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs)
 

@@ -33,7 +33,13 @@ from pathlib import Path
 from specdec.local.proxy import ProxyGroup
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
-from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side_header
+from .plain_runs import (
+    interleaved,
+    one_client,
+    paired,
+    save_side_by_side,
+    side_by_side_header,
+)
 from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
 
 MAX_NEW = 64
@@ -161,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     info["load_average_end"] = list(os.getloadavg())
     med = {k: statistics.median(v) for k, v in rates.items()}
 
-    def paired(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
-
     lines = side_by_side_header(
         "Relay: the draft's proposal straight to the target, side by side",
         info,
@@ -196,13 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"{mode}, {'greedy' if temp == 0 else 'T=1'}, {suffix.strip()}"
                 lines.append(
                     f"| {label} | {a:.1f} | {b:.1f} | {a / b:.3f} | "
-                    f"{paired(f'relay {key}', f'direct {key}'):.3f} | {vs_plain} |"
+                    f"{paired(rates[f'relay {key}'], rates[f'direct {key}']):.3f} | {vs_plain} |"
                 )
     for n in args.clients:
         a, b = med[f"relay x{n}"], med[f"direct x{n}"]
         lines.append(
             f"| adaptive, {n} clients, T=1, shared | {a:.1f} | {b:.1f} | {a / b:.3f} | "
-            f"{paired(f'relay x{n}', f'direct x{n}'):.3f} | - |"
+            f"{paired(rates[f'relay x{n}'], rates[f'direct x{n}']):.3f} | - |"
         )
     save_side_by_side(out, lines, info, rates, med)
     return 0

@@ -211,7 +211,8 @@ def criteria(r: dict) -> list[dict]:
         for _, t, label in TEMPS:
             plain = rows_[f"plain@{t}"]["tok_s"]
             adaptive = rows_[f"adaptive@{t}"]["tok_s"]
-            fixed = [v["tok_s"] for k, v in rows_.items() if k.endswith(f"@{t}") and k[0] in "so"]
+            fixed_rows = {k: v for k, v in rows_.items() if k.endswith(f"@{t}") and k[0] in "so"}
+            fixed = [v["tok_s"] for v in fixed_rows.values()]
             if key == "10":
                 out.append(
                     _check(f"10: +10 ms RTT: adaptive / plain, {label}", adaptive / plain, 1.5)
@@ -226,11 +227,7 @@ def criteria(r: dict) -> list[dict]:
                 )
                 # The same with the best fixed gamma picked on the other rounds
                 # (``held_out_best``: the largest of many medians is biased upward).
-                runs = {
-                    k: v["tok_s_runs"]
-                    for k, v in rows_.items()
-                    if k.endswith(f"@{t}") and k[0] in "so" and v.get("tok_s_runs")
-                }
+                runs = {k: v["tok_s_runs"] for k, v in fixed_rows.items() if v.get("tok_s_runs")}
                 if runs and rows_[f"adaptive@{t}"].get("tok_s_runs"):
                     held = held_out_best(rows_[f"adaptive@{t}"]["tok_s_runs"], runs)
                     out.append(

@@ -234,7 +234,7 @@ class Drafter(ModelService):
             self.roll_back_to(session, head.cache_len + len(head.feed) + gamma - 1)
             proposal.cache_len = session.length
         proposal.compute_s = time.perf_counter() - head.started
-        proposal.lead_s = min(proposal.compute_s, max(0.0, asked_at - head.started))
+        proposal.lead_s = max(0.0, asked_at - head.started)  # (<= compute_s: asked before now)
         return proposal
 
     async def rollback_draft(self, session: Session, cache_len: int) -> int:

@@ -304,7 +304,7 @@ class CostModel:
     guards: dict = field(default_factory=dict)
     # The check runs only while at least this many requests generate at once.
     check_min_requests: int = 1
-    # Count a block's lead (``draft_path_cost``); False: its whole drafting time.
+    # Learn blocks' leads (``draft_path_cost``); False: a block's whole drafting time counts.
     count_lead: bool = True
 
     def guard(self, greedy: bool, requests: int) -> PlainGuard | None:
@@ -456,9 +456,7 @@ class CostModel:
     def draft_path_cost(self, gamma: int) -> float:
         """The part of ``draft_cost(gamma)`` on a step's path: D(g) - s min(D(g), L)
         (a share s of the blocks drafted on, a lead L ahead of their propose)."""
-        d = self.draft_cost(gamma)
-        if not self.count_lead:
-            return d
+        d = self.draft_cost(gamma)  # (s stays 0 without count_lead: no lead is learnt)
         return d - self.drafted_on.value * min(d, self.draft_lead_s.value)
 
     def plain_pass_cost(self) -> float:
