@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from specdec.local.forkserver import ENV as FORKSERVER
 
 from .stack import local_stack
 from .tiny import build_pair
+
+# Services start forked from one process that has done their imports (about 1 s
+# instead of 5-7 s per stack; specdec.local.forkserver). Benchmarks the smoke tests
+# run inherit it. SPECDEC_LOCAL_FORKSERVER=0 runs every service fresh.
+os.environ.setdefault(FORKSERVER, "1")
 
 WIRE_TOP_K = 16
 

@@ -30,6 +30,7 @@ import grpc
 import yaml
 
 from specdec.config import load_config
+from specdec.local import forkserver
 from specdec.transport.channels import channel_credentials
 
 ROLES = ("draft", "target", "orchestrator")
@@ -186,15 +187,21 @@ def spawn(
     overrides: list[str] = (),
     out: IO | int | None = None,
     env: dict[str, str] | None = None,
-) -> subprocess.Popen:
-    """``specdec serve ROLE`` as a child process."""
-    args = [sys.executable, "-m", "specdec", "serve", role]
+) -> subprocess.Popen | forkserver.ForkedProcess:
+    """``specdec serve ROLE`` as a child process (forked from a template process that
+    has its imports done, where ``SPECDEC_LOCAL_FORKSERVER=1`` asks for it and
+    ``env`` and ``out`` allow: ``specdec.local.forkserver``)."""
+    args = ["serve", role]
     if config_path:
         args += ["--config", str(config_path)]
     for o in overrides:
         args += ["--set", o]
+    if forkserver.wanted(env, out):
+        return forkserver.spawn(args, REPO, out)
     err = subprocess.STDOUT if out not in (None, subprocess.DEVNULL) else None
-    return subprocess.Popen(args, stdout=out, stderr=err, env=env, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, "-m", "specdec", *args], stdout=out, stderr=err, env=env, cwd=REPO
+    )
 
 
 def pin_process(pid: int, cpus: set[int]) -> None:

@@ -1,0 +1,118 @@
+"""Services forked from one template process: a faster start for the test suite.
+
+A fresh ``specdec serve ROLE`` spends 3-5 s of CPU importing torch, transformers'
+model code and grpc before it does anything, and the test suite starts some 150
+services: on a 2-core machine that was about a third of its wall time. With
+``SPECDEC_LOCAL_FORKSERVER=1`` in the environment, ``specdec.local.stack.spawn``
+forks each service from a template process that imported those modules once
+(the standard library's ``multiprocessing`` forkserver). The service is the same
+``specdec serve`` code in a process of its own, with its own pid, ports, log and
+exit status; only the imports are shared (copy-on-write), and it is ready about
+a second after it is asked for.
+
+Off by default: ``specdec up``, the demo and the benchmarks start fresh
+interpreters, as a deployment does. The tests turn it on (``tests/conftest.py``);
+a service given an environment of its own (a test planting a fault with
+``sitecustomize``, which runs only at interpreter start) still gets a fresh one.
+Not for: deciding what runs (``specdec.local.stack``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ENV = "SPECDEC_LOCAL_FORKSERVER"  # "1": fork services from the template process
+# Imported once by the template process (the services' own modules and, through
+# them, torch, transformers and grpc).
+PRELOAD = [
+    "specdec.local.forkserver",
+    "specdec.cli",
+    "draft_service.servicer",
+    "target_service.servicer",
+    "orchestrator.servicer",
+]
+
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def wanted(env: dict[str, str] | None, out) -> bool:
+    """Whether a service can be forked: asked for, no environment of its own, and
+    output to where this process's goes, nowhere, or a file (reopened by name)."""
+    if os.environ.get(ENV) != "1" or env is not None:
+        return False
+    return out is None or out == subprocess.DEVNULL or isinstance(getattr(out, "name", None), str)
+
+
+class ForkedProcess:
+    """What the harness uses of ``subprocess.Popen``, for a forked service: pid,
+    poll, wait, send_signal, terminate, kill and returncode (negative: the signal
+    that ended it, as Popen reports it)."""
+
+    def __init__(self, proc: multiprocessing.Process) -> None:
+        self._proc = proc
+        self.pid: int = proc.pid
+        self.args = proc.name
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:  # (never a pid the system may have reused)
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def spawn(args: list[str], cwd: Path, out) -> ForkedProcess:
+    """``specdec ARGS`` in a process forked from the template (started on first use),
+    in ``cwd``, with this process's current environment; ``out`` as ``wanted`` allows.
+    A daemon process: if this one exits first, multiprocessing stops it."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    path = os.devnull if out == subprocess.DEVNULL else getattr(out, "name", None)
+    proc = _context.Process(
+        target=_main,
+        args=(list(args), str(cwd), path, dict(os.environ)),
+        name=" ".join(["specdec", *args[:2]]),
+        daemon=True,
+    )
+    proc.start()
+    return ForkedProcess(proc)
+
+
+def _main(args: list[str], cwd: str, out: str | None, env: dict[str, str]) -> None:
+    """The forked process: the caller's directory, environment and output, then
+    the command line's ``main``."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if out is not None:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.argv = ["specdec", *args]
+    from specdec.cli import main
+
+    sys.exit(main(args))
