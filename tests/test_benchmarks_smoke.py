@@ -161,6 +161,14 @@ def test_step_math_writes_results(tmp_path):
     # per vocabulary: greedy once, then each wire top-k at T=1
     assert [(r["temperature"], r["wire_top_k"]) for r in rows[:3]] == [(0, 16), (1, 16), (1, 64)]
     assert len(rows) == 6 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)
+    # Against a git revision: that revision's sampling module, timed in pairs.
+    _run_module(
+        "benchmarks.step_math", "--steps", "4", "--wire-top-k", "16", "--vocabs", "4096",
+        "--against", "HEAD", "--out", str(tmp_path / "against"), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "against" / "results.json").read_text())
+    assert result["against"] == "HEAD" and len(result["rows"]) == 2
+    assert all(r["draft_us_before"] > 0 and r["target_us_before"] > 0 for r in result["rows"])
 
 
 def test_sustained_writes_results(tmp_path):

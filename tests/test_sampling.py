@@ -125,6 +125,23 @@ def test_sparse_q_is_the_truncated_warped_q_quantized(params):
         torch.testing.assert_close(dense[q.ids], expected, rtol=0, atol=2 / 2**16)
 
 
+@pytest.mark.parametrize("vocab", [4096, 151_936])  # numpy's selection, torch's top-k
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sparse_q_lists_the_most_likely_tokens_at_any_vocabulary(vocab, temperature):
+    """The listed tokens are the k most likely, whichever selection found them, with
+    the most likely first (it takes the rounding leftovers), and the counts are the
+    largest-remainder rounding of their warped mass."""
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(6)) * 3
+    params = SamplingParams(temperature)
+    q = sparse_q(logits, params, max_entries=256, eps=0.0)
+    top = logits.topk(256).indices
+    assert set(q.ids.tolist()) == set(top.tolist()) and q.ids[0] == top[0]
+    full = probs_from_logits(logits.double(), params)[q.ids].numpy()
+    expected = full * (1 << 16)
+    assert np.abs(q.counts - expected).max() <= 1.0 + 1e-6
+    assert int(q.counts.sum()) + q.tail == 1 << 16
+
+
 def test_sparse_q_takes_half_precision_logits():
     """A bfloat16 or float16 draft's logits give the q their float32 values give."""
     logits = torch.randn(300, generator=torch.Generator().manual_seed(5)) * 3
