@@ -18,6 +18,7 @@ import pytest
 
 from specdec.config import REPO_ROOT
 from specdec.demo import run_demo
+from specdec.local.forkserver import ENV as FORKSERVER
 from specdec.sampling import expected_tokens_per_step
 
 from .stack import free_port
@@ -36,8 +37,10 @@ def free_port_overrides() -> list[str]:
 
 def run_command(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, str, str]:
     """``specdec demo`` on free ports; (exit status, stdout, stderr)."""
-    # TMPDIR: the demo's log folder lands under tmp_path, where the test can look.
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    # TMPDIR: the demo's log folder lands under tmp_path, where the test can look. Its
+    # services start as a user's do, each a fresh interpreter (not forked with their
+    # imports done, as the other tests' are: tests/conftest.py).
+    env = {**os.environ, "TMPDIR": str(tmp_path), FORKSERVER: "0"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec", "demo", *free_port_overrides(), *args],
         cwd=REPO_ROOT,

@@ -20,6 +20,7 @@ Not for: deciding what runs (``specdec.local.stack``).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -82,16 +83,22 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def spawn(args: list[str], cwd: Path, out) -> ForkedProcess:
-    """``specdec ARGS`` in a process forked from the template (started on first use),
-    in ``cwd``, with this process's current environment; ``out`` as ``wanted`` allows.
-    A daemon process: if this one exits first, multiprocessing stops it."""
+def start() -> multiprocessing.context.ForkServerContext:
+    """The template process, started (with its imports done) if it is not yet."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+    return _context
+
+
+def spawn(args: list[str], cwd: Path, out) -> ForkedProcess:
+    """``specdec ARGS`` in a process forked from the template (started on first use),
+    in ``cwd``, with this process's current environment; ``out`` as ``wanted`` allows.
+    A daemon process: if this one exits first, multiprocessing stops it."""
     path = os.devnull if out == subprocess.DEVNULL else getattr(out, "name", None)
-    proc = _context.Process(
+    proc = start().Process(
         target=_main,
         args=(list(args), str(cwd), path, dict(os.environ)),
         name=" ".join(["specdec", *args[:2]]),
