@@ -1,7 +1,8 @@
 """Draft, target and orchestrator as processes on this machine: the one harness
 behind ``specdec up``, the demo, the tests and the benchmarks.
 
-Each service is a real ``specdec serve ROLE`` child process on loopback. A
+Each service is a real ``specdec serve ROLE`` process on loopback (a child of
+this one, or, for the tests, forked from a template: ``specdec.local.forkserver``). A
 ``Stack`` knows their ports and process ids (it stops only what it started,
 by process id), talks to the public API, reads the services' metrics, can pin
 each service to its own CPUs (to stand for separate machines), and can start
