@@ -38,7 +38,8 @@ def test_a_forked_service_serves_logs_and_exits_as_a_process(
     path, cfg = write_config(tmp_path, *llama_pair)
     metrics_port = free_port()  # set in the caller's environment after the template started
     monkeypatch.setenv("SPECDEC_DRAFT_METRICS_PORT", str(metrics_port))
-    log = open(tmp_path / "draft.log", "ab")  # noqa: SIM115
+    monkeypatch.chdir(tmp_path)  # a log named relative to here; the service runs elsewhere
+    log = open("draft.log", "ab")  # noqa: SIM115
     proc = spawn("draft", str(path), [], log)
     try:
         assert isinstance(proc, forkserver.ForkedProcess)

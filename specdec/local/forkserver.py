@@ -98,6 +98,8 @@ def spawn(args: list[str], cwd: Path, out) -> ForkedProcess:
     in ``cwd``, with this process's current environment; ``out`` as ``wanted`` allows.
     A daemon process: if this one exits first, multiprocessing stops it."""
     path = os.devnull if out == subprocess.DEVNULL else getattr(out, "name", None)
+    if path is not None:
+        path = os.path.abspath(path)  # (the service runs in ``cwd``)
     proc = start().Process(
         target=_main,
         args=(list(args), str(cwd), path, dict(os.environ)),
