@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specdec.rng import generator, uniforms
+from specdec.runtime.memory import keep_freed
 from specdec.sampling import SamplingParams, draft_position, verify_draft
 from specdec.wire import DEFAULT_Q_BITS, pack_q, unpack_q
 
@@ -149,7 +150,14 @@ def main() -> None:
         help="also time specdec/sampling.py as of this git revision, in pairs with today's",
     )
     ap.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS))
+    ap.add_argument(
+        "--keep-freed-mb",
+        type=int,
+        default=0,
+        help="glibc malloc as the services set it (their keep_freed_mb); 0: glibc's defaults",
+    )
     args = ap.parse_args()
+    keep_freed(args.keep_freed_mb)
     before = sampling_at(args.against) if args.against else None
     torch.set_num_threads(1)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -181,7 +189,13 @@ def main() -> None:
                 print(f"| {vocab:,} | {mode} | {k} | {cells[0]} | {cells[1]} |")
     (out / "results.json").write_text(
         json.dumps(
-            {"load_average": load, "gamma": args.gamma, "against": args.against, "rows": rows},
+            {
+                "load_average": load,
+                "gamma": args.gamma,
+                "against": args.against,
+                "keep_freed_mb": args.keep_freed_mb,
+                "rows": rows,
+            },
             indent=1,
         )
     )

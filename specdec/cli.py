@@ -95,6 +95,10 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         await gateway_until_signal(gateway, section.grace_period_s)
         return
     tracing.start(role)  # a step timeline (benchmarks.timeline), only with SPECDEC_TRACE_DIR
+    if role in ("draft", "target"):
+        from specdec.runtime.memory import keep_freed
+
+        keep_freed(section.keep_freed_mb)  # before the model loads
     if role == "draft":
         from draft_service.servicer import serve
 

@@ -95,6 +95,11 @@ class ModelServiceConfig:
     # where the start-up check finds every logit equal to the wrapped forward's
     # (specdec/runtime/ragged.py, docs/models.md).
     lean_forward: bool = True
+    # glibc: keep up to this many MB of freed memory in the service's heap (and
+    # allocations up to 32 MB on it), so that a step's large temporaries are not
+    # faulted in anew every step; 0 leaves glibc's defaults (specdec/runtime/memory.py).
+    # Opt-in: measured for large vocabularies' sampling arithmetic, not end to end.
+    keep_freed_mb: int = 0
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Draft only: client TLS towards the targets it relays proposals to (the
     # orchestrator's upstream_tls, as this service's client), and how long sending
@@ -293,6 +298,7 @@ _NON_NEGATIVE = {
     "batch_wait_ms",
     "decode_batch_wait_ms",
     "packed_linear_min_rows",
+    "keep_freed_mb",
 }
 
 

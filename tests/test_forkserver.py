@@ -40,7 +40,7 @@ def test_a_forked_service_serves_logs_and_exits_as_a_process(
     monkeypatch.setenv("SPECDEC_DRAFT_METRICS_PORT", str(metrics_port))
     monkeypatch.chdir(tmp_path)  # a log named relative to here; the service runs elsewhere
     log = open("draft.log", "ab")  # noqa: SIM115
-    proc = spawn("draft", str(path), [], log)
+    proc = spawn("draft", str(path), ["draft.keep_freed_mb=64"], log)  # (glibc's malloc set)
     try:
         assert isinstance(proc, forkserver.ForkedProcess)
         assert proc.pid != os.getpid() and proc.poll() is None
