@@ -168,11 +168,10 @@ def main() -> None:
     print(f"load average {load[0]:.2f}; gamma {args.gamma}")
     if before is None:
         print("| vocab | sampling | wire top-k | draft, us/step | target, us/step |")
-        print("|---|---|---|---|---|")
     else:
         print(f"| vocab | sampling | wire top-k | draft, us/step: {args.against} / now / ratio "
               f"| target, us/step: {args.against} / now / ratio |")  # fmt: skip
-        print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for vocab in args.vocabs:
         for t in (0.0, 1.0):
             for k in args.wire_top_k if t else args.wire_top_k[:1]:  # greedy lists one token
