@@ -9,11 +9,12 @@ Per step at gamma drafted tokens, on the CPU, one thread:
   uniforms, and ``verify_draft`` over gamma + 1 rows of logits (p at each
   position, the residual draws and the bonus draw).
 
-The logits are random (scaled normal; the timings do not depend on the values
-beyond the listed support), for the demo pair's vocabulary (4,096) and a
-151,936-token one. Each cell is the median over ``--steps`` steps after a
-warm-up. This is the part of a step's overhead that the services' Python code
-computes, as opposed to the forward passes and the transport.
+The logits are random (scaled normal; the timings depend little on the values
+beyond the listed support), for the demo pair's vocabulary (4,096), Llama 2's
+and Mistral's (32,000) and Qwen's (151,936). Each cell is the median over
+``--steps`` steps after a warm-up. This is the part of a step's overhead that
+the services' Python code computes, as opposed to the forward passes and the
+transport.
 
     .venv/bin/python -m benchmarks.step_math [--steps 400] [--gamma 4] [--out DIR]
         [--against REV]   # also specdec/sampling.py as of REV, each step's pair back to back
@@ -39,7 +40,7 @@ from specdec.runtime.memory import keep_freed
 from specdec.sampling import SamplingParams, draft_position, verify_draft
 from specdec.wire import DEFAULT_Q_BITS, pack_q, unpack_q
 
-VOCABS = (4096, 151_936)
+VOCABS = (4096, 32_000, 151_936)
 REPO = Path(__file__).resolve().parent.parent
 
 

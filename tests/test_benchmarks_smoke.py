@@ -160,7 +160,7 @@ def test_step_math_writes_results(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     # per vocabulary: greedy once, then each wire top-k at T=1
     assert [(r["temperature"], r["wire_top_k"]) for r in rows[:3]] == [(0, 16), (1, 16), (1, 64)]
-    assert len(rows) == 6 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)
+    assert len(rows) == 9 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)
     # Against a git revision: that revision's sampling module, timed in pairs.
     _run_module(
         "benchmarks.step_math", "--steps", "4", "--wire-top-k", "16", "--vocabs", "4096",

@@ -125,12 +125,12 @@ def test_sparse_q_is_the_truncated_warped_q_quantized(params):
         torch.testing.assert_close(dense[q.ids], expected, rtol=0, atol=2 / 2**16)
 
 
-@pytest.mark.parametrize("vocab", [4096, 151_936])  # numpy's selection, torch's top-k
+@pytest.mark.parametrize("vocab", [4096, 32_000, 151_936])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sparse_q_lists_the_most_likely_tokens_at_any_vocabulary(vocab, temperature):
-    """The listed tokens are the k most likely, whichever selection found them, with
-    the most likely first (it takes the rounding leftovers), and the counts are the
-    largest-remainder rounding of their warped mass."""
+    """The listed tokens are the k most likely, with the most likely first (it takes
+    the rounding leftovers), and the counts are the largest-remainder rounding of
+    their warped mass."""
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(6)) * 3
     params = SamplingParams(temperature)
     q = sparse_q(logits, params, max_entries=256, eps=0.0)
@@ -140,6 +140,39 @@ def test_sparse_q_lists_the_most_likely_tokens_at_any_vocabulary(vocab, temperat
     expected = full * (1 << 16)
     assert np.abs(q.counts - expected).max() <= 1.0 + 1e-6
     assert int(q.counts.sum()) + q.tail == 1 << 16
+
+
+def _layouts(vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(vocab)
+    scores = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    padded = scores.copy()
+    padded[vocab // 2 :] = -np.inf  # a checkpoint's padded vocabulary
+    strided = scores.copy()
+    strided[::8] += 20.0  # every token the strided sample reads beats all the others
+    return {
+        "random": scores,
+        "ascending": np.sort(scores),
+        "descending": np.sort(scores)[::-1].copy(),
+        "padded": padded,
+        "strided": strided,
+    }
+
+
+@pytest.mark.parametrize("vocab", [300, 4096, 32_000, 151_936])
+@pytest.mark.parametrize("k", [1, 64, 256, 1024])
+def test_most_likely_finds_the_k_largest_from_a_sample_or_the_whole(vocab, k):
+    """``_most_likely`` guesses a cut from a strided sample; whatever the scores'
+    layout (sorted, a padded vocabulary, or the sample reading only the leaders,
+    which puts the cut too high and must fall back to the whole), it returns the
+    k largest with the largest first."""
+    for name, z in _layouts(vocab).items():
+        kk = min(k, vocab - 1)
+        ids = sampling._most_likely(z, kk)
+        assert len(ids) == kk, name
+        want = np.argsort(-z.astype(np.float64), kind="stable")[:kk]
+        assert np.sort(z[ids]).tolist() == np.sort(z[want]).tolist(), name
+        assert len(set(ids.tolist())) == kk, name
+        assert z[ids[0]] == z.max(), name
 
 
 def test_sparse_q_takes_half_precision_logits():
