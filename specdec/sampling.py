@@ -63,7 +63,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     are kept; top-p keeps the smallest high-probability set whose mass
     reaches top_p (always at least one token).
     """
-    scores = logits / params.temperature
+    scores = logits / params.temperature if params.temperature != 1.0 else logits
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -334,15 +334,19 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | QEntries) -> torch.
     be rejected; it gets p so that sampling it stays well defined.
     """
     if isinstance(q, torch.Tensor):
-        r = (p - q).clamp_min(0)
+        r = (p - q).clamp_min_(0)
     else:
         flat = torch.from_numpy(q.row * p.shape[-1] + q.ids).to(p.device)  # [total]
         share = torch.from_numpy(q.share).to(device=p.device, dtype=p.dtype)  # [gamma]
         listed = torch.from_numpy(q.listed).to(device=p.device, dtype=p.dtype)  # [total]
-        r = (p - share[:, None]).clamp_min(0)  # [gamma, vocab]
+        r = (p - share[:, None]).clamp_min_(0)  # [gamma, vocab]
         r.view(-1).index_copy_(0, flat, (p.reshape(-1).take(flat) - listed).clamp_min(0))
-    mass = r.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
+    mass = r.sum(dim=-1, keepdim=True)  # [..., 1]
+    r /= mass.clamp_min(torch.finfo(r.dtype).tiny)  # (in place: r is ours)
+    empty = ~(mass[..., 0] > 0)  # [...]
+    if empty.any():
+        r[empty] = p[empty]
+    return r
 
 
 def inverse_cdf(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -438,9 +442,11 @@ def verify_draft(
     p = probs_from_logits(logits, params)  # [gamma + 1, vocab]
     drafts = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)
     p_draft = p[:gamma].gather(-1, drafts[:, None]).squeeze(-1)  # [gamma]
-    rows = p
+    # [gamma + 1, vocab] the residuals, then p for the bonus, in inverse_cdf's float64
+    rows = p.new_empty(p.shape, dtype=torch.float64)
+    rows[gamma:] = p[gamma:]
     if gamma:
-        rows = torch.cat([residual_distribution(p[:gamma], entries), p[gamma:]])
+        rows[:gamma] = residual_distribution(p[:gamma], entries)
     drawn = inverse_cdf(rows, u).tolist()  # [gamma + 1]
     verdict = Verdict(
         p_draft=p_draft.tolist(),
