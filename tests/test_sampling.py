@@ -175,6 +175,20 @@ def test_most_likely_finds_the_k_largest_from_a_sample_or_the_whole(vocab, k):
         assert z[ids[0]] == z.max(), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax(dtype):
+    """numpy's argmax on the CPU picks what torch's does: the first of tied maxima (many
+    in half precision), a NaN over any number, every row of a batch, any strides."""
+    x = (torch.randn(6, 5000, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    x[1, 4000] = x[1, 9] = x[1].max() + 1  # a tie: the first wins
+    x[2, 17] = float("nan")
+    x[3] = float("-inf")
+    x[4, 100] = float("inf")
+    assert sampling.greedy_tokens(x) == x.argmax(dim=-1).tolist()
+    assert sampling.greedy_tokens(x[1]) == int(x[1].argmax()) == 9
+    assert sampling.greedy_tokens(x.t()[:100]) == x.t()[:100].argmax(dim=-1).tolist()
+
+
 def test_sparse_q_takes_half_precision_logits():
     """A bfloat16 or float16 draft's logits give the q their float32 values give."""
     logits = torch.randn(300, generator=torch.Generator().manual_seed(5)) * 3
