@@ -18,6 +18,7 @@ transport.
 
     .venv/bin/python -m benchmarks.step_math [--steps 400] [--gamma 4] [--out DIR]
         [--against REV]   # also specdec/sampling.py as of REV, each step's pair back to back
+        [--top-k K] [--top-p P]   # the requests' warping at T=1 (default: none)
 """
 
 from __future__ import annotations
@@ -93,10 +94,11 @@ def measure(
     steps: int,
     top_k: int = 256,
     before: types.ModuleType | None = None,
+    warp: SamplingParams = SamplingParams(),
 ) -> dict[str, float]:
     """Median microseconds per step of the draft's and the target's arithmetic;
     with ``before`` (``sampling_at``), also that module's, measured in pairs."""
-    params = SamplingParams(temperature=temperature)
+    params = SamplingParams(temperature, warp.top_k, warp.top_p)
     g = torch.Generator().manual_seed(vocab)
     pool = 8  # distinct logits, cycled
     draft_logits = [torch.randn(gamma, vocab, generator=g) * 4 for _ in range(pool)]
@@ -157,7 +159,10 @@ def main() -> None:
         default=0,
         help="glibc malloc as the services set it (their keep_freed_mb); 0: glibc's defaults",
     )
+    ap.add_argument("--top-k", type=int, default=0, help="the requests' top-k at T=1 (0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' top-p at T=1 (1: off)")
     args = ap.parse_args()
+    warp = SamplingParams(1.0, args.top_k, args.top_p)
     keep_freed(args.keep_freed_mb)
     before = sampling_at(args.against) if args.against else None
     torch.set_num_threads(1)
@@ -166,7 +171,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     rows = []
-    print(f"load average {load[0]:.2f}; gamma {args.gamma}")
+    print(f"load average {load[0]:.2f}; gamma {args.gamma}; top-k {args.top_k}, top-p {args.top_p}")
     if before is None:
         print("| vocab | sampling | wire top-k | draft, us/step | target, us/step |")
     else:
@@ -176,7 +181,7 @@ def main() -> None:
     for vocab in args.vocabs:
         for t in (0.0, 1.0):
             for k in args.wire_top_k if t else args.wire_top_k[:1]:  # greedy lists one token
-                r = measure(vocab, args.gamma, t, args.steps, k, before)
+                r = measure(vocab, args.gamma, t, args.steps, k, before, warp)
                 rows.append({"vocab": vocab, "temperature": t, "wire_top_k": k, **r})
                 mode = "greedy" if t == 0 else f"T={t:g}"
                 cells = [f"{r[f'{part}_us']:.0f}" for part in ("draft", "target")]
@@ -194,6 +199,8 @@ def main() -> None:
                 "gamma": args.gamma,
                 "against": args.against,
                 "keep_freed_mb": args.keep_freed_mb,
+                "top_k": args.top_k,
+                "top_p": args.top_p,
                 "rows": rows,
             },
             indent=1,

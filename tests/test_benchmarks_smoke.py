@@ -164,12 +164,13 @@ def test_step_math_writes_results(tmp_path):
     # Against a git revision: that revision's sampling module, timed in pairs.
     _run_module(
         "benchmarks.step_math", "--steps", "4", "--wire-top-k", "16", "--vocabs", "4096",
-        "--against", "HEAD", "--keep-freed-mb", "64", "--out", str(tmp_path / "against"),
+        "--against", "HEAD", "--keep-freed-mb", "64", "--top-p", "0.9",
+        "--out", str(tmp_path / "against"),
         timeout=300,
     )  # fmt: skip
     result = json.loads((tmp_path / "against" / "results.json").read_text())
     assert result["against"] == "HEAD" and len(result["rows"]) == 2
-    assert result["keep_freed_mb"] == 64
+    assert result["keep_freed_mb"] == 64 and result["top_p"] == 0.9
     assert all(r["draft_us_before"] > 0 and r["target_us_before"] > 0 for r in result["rows"])
 
 

@@ -96,6 +96,33 @@ def test_warping_matches_transformers_processors():
     torch.testing.assert_close(probs_from_logits(logits, params), ref.softmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [50, 4096, 32_000])
+@pytest.mark.parametrize("top_k", [0, 40, 1000])
+def test_top_k_and_top_p_keep_what_transformers_keeps(vocab, top_k):
+    """The CPU's top-k (a partition, not torch's top-k) and top-p (only the likely
+    tokens sorted, four times more while their mass falls short, every possible
+    token at last) keep the tokens transformers' warpers keep: peaked and flat
+    rows, nuclei from one token to most of the vocabulary. A token may differ only
+    where its cumulative mass sits within float rounding of the threshold."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(vocab + top_k)
+    for scale in (0.3, 1.0, 3.0, 8.0):
+        logits = torch.randn(3, vocab, generator=g) * scale
+        for top_p in (0.05, 0.5, 0.9, 0.99, 1.0):
+            params = SamplingParams(1.0, top_k=top_k, top_p=top_p)
+            ours = torch.isinf(sampling.warp_logits(logits, params))
+            ref_k = TopKLogitsWarper(top_k)(None, logits) if 0 < top_k < vocab else logits
+            ref = TopPLogitsWarper(top_p)(None, ref_k) if top_p < 1.0 else ref_k
+            differ = torch.nonzero(ours != torch.isinf(ref))
+            for row, token in differ.tolist():  # only at the threshold, within rounding
+                ranked, order = torch.sort(ref_k[row])
+                cum = ranked.softmax(-1).double().cumsum(-1)
+                at = int(torch.nonzero(order == token)[0])
+                assert abs(float(cum[at]) - (1 - top_p)) < 1e-6, (scale, top_p, row, token)
+            assert len(differ) <= 2, (scale, top_p)
+
+
 def test_greedy_is_one_hot_argmax():
     logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 0.0]])
     probs = probs_from_logits(logits, SamplingParams(temperature=0.0))
