@@ -179,10 +179,12 @@ def start_services(
     threads: int = 2,
     draft_threads: int | None = None,
     settings: dict[str, dict] | None = None,
+    repo: Path | None = None,
 ) -> Stack:
     """Draft, target and orchestrator on free ports (``specdec.local.stack``), logging
     into ``out/logs``; returns once all three are healthy. ``settings``: more config
-    keys per section (``{"target": {"packed_linear": False}}``)."""
+    keys per section (``{"target": {"packed_linear": False}}``); ``repo``: the
+    services run that checkout's code."""
     sections = {
         role: {
             "device": device,
@@ -201,7 +203,7 @@ def start_services(
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(path, cfg, log_dir=log_dir)
-    stack.procs = start_local(str(path), [], log_dir=log_dir)
+    stack.procs = start_local(str(path), [], log_dir=log_dir, repo=repo)
     return stack
 
 

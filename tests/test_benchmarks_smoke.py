@@ -152,6 +152,29 @@ def test_delay_proxy_forwards_and_delays():
         srv.close()
 
 
+def test_against_compares_with_an_older_checkout(tmp_path, llama_pair):
+    """``benchmarks.against REV``: REV's services from a git worktree beside this
+    build's, requests alternating; the worktree is gone afterwards."""
+    draft, target = llama_pair
+    before = subprocess.run(
+        ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    _run_module(
+        "benchmarks.against", "HEAD", "--rounds", "2", "--prompts", "1",
+        "--max-new-tokens", "4", "--configs", "seq4@1", "plain@1-p0.9",
+        "--draft", str(draft), "--target", str(target), "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["against"] == "HEAD" and list(result["rows"]) == ["seq4@1", "plain@1-p0.9"]
+    for row in result["rows"].values():
+        assert len(row["ratios"]) == 2 and row["before_tok_s"] > 0 and row["now_tok_s"] > 0
+    assert "| seq4@1 |" in (tmp_path / "results.md").read_text()
+    after = subprocess.run(
+        ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert after == before
+
+
 def test_step_math_writes_results(tmp_path):
     _run_module(
         "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",

@@ -188,20 +188,26 @@ def spawn(
     overrides: list[str] = (),
     out: IO | int | None = None,
     env: dict[str, str] | None = None,
+    repo: Path | None = None,
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """``specdec serve ROLE`` as a child process (forked from a template process that
     has its imports done, where ``SPECDEC_LOCAL_FORKSERVER=1`` asks for it and
-    ``env`` and ``out`` allow: ``specdec.local.forkserver``)."""
+    ``env`` and ``out`` allow: ``specdec.local.forkserver``). ``repo``: run the code
+    of another checkout (a fresh interpreter there; ``benchmarks.against``)."""
     args = ["serve", role]
     if config_path:
         args += ["--config", str(config_path)]
     for o in overrides:
         args += ["--set", o]
-    if forkserver.wanted(env, out):
+    if repo is None and forkserver.wanted(env, out):
         return forkserver.spawn(args, REPO, out)
     err = subprocess.STDOUT if out not in (None, subprocess.DEVNULL) else None
     return subprocess.Popen(
-        [sys.executable, "-m", "specdec", *args], stdout=out, stderr=err, env=env, cwd=REPO
+        [sys.executable, "-m", "specdec", *args],
+        stdout=out,
+        stderr=err,
+        env=env,
+        cwd=repo or REPO,
     )
 
 
@@ -225,12 +231,14 @@ def start_local(
     log_dir: Path | None = None,
     on_ready=None,
     gateway: bool = False,
+    repo: Path | None = None,
 ) -> list[subprocess.Popen]:
     """Start the three services (in ``ROLES`` order), and the HTTP gateway after
     them with ``gateway``; returns them once all are healthy.
 
     ``log_dir`` collects each service's output in ROLE.log; ``quiet`` discards it.
-    ``on_ready(role)`` is called as each becomes healthy.
+    ``on_ready(role)`` is called as each becomes healthy. ``repo``: the services
+    run the code of that checkout (``spawn``).
     """
     cfg = load_config(config_path, overrides)
     procs: list[subprocess.Popen] = []
@@ -240,7 +248,7 @@ def start_local(
             out = subprocess.DEVNULL if quiet else None
             if log_dir is not None:
                 out = open(log_dir / f"{role}.log", "ab")  # noqa: SIM115 - the child owns it
-            procs.append(spawn(role, config_path, list(overrides), out, env))
+            procs.append(spawn(role, config_path, list(overrides), out, env, repo))
         # Checked as the orchestrator sees the model services (its upstream TLS),
         # and the API with the same CA (and client certificate) when it has TLS.
         upstream = channel_credentials(cfg.orchestrator.upstream_tls)
