@@ -551,9 +551,23 @@ def pit_terms(
     ranking by p makes a too sharp or too flat output (a wrong residual, a
     misreported q, a temperature skew) show as a drift towards 0 or 1 instead
     of cancelling out over an arbitrary vocabulary order.
+    On the CPU, one candidate at a time, reading its row in place: at 151,936
+    tokens the whole candidates-by-vocabulary mask in float64 took 18.7 ms for a
+    gamma-4 step's 9 candidates (one thread).
     """
     if not tokens:
         return [], []
+    if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64):
+        table = p.detach().numpy()  # [positions, vocab]
+        above, at = [], []
+        for r, t in zip(rows, tokens, strict=True):
+            row = table[r]
+            mass = row[t]
+            higher = np.where(row > mass, row, 0).sum(dtype=np.float64)
+            tied = np.count_nonzero(row[:t] == mass)  # ranked above it by id
+            above.append(float(higher + tied * np.float64(mass)))
+            at.append(float(mass))
+        return above, at
     r = torch.tensor(rows, device=p.device)
     t = torch.tensor(tokens, device=p.device)
     rows_p = p[r].double()  # [n, vocab]

@@ -36,6 +36,23 @@ def test_pit_terms_rank_tokens_by_probability():
     assert at == pytest.approx([0.1, 0.4, 0.1, 0.4])
 
 
+def test_pit_terms_on_the_cpu_match_the_whole_mask():
+    """The CPU's candidate-at-a-time terms equal the candidates-by-vocabulary mask
+    (the other devices' way), ties by id included."""
+    gen = torch.Generator().manual_seed(4)
+    p = torch.softmax(torch.randn(5, 4096, generator=gen) * 3, dim=-1)
+    p[1, :50] = p[1, 60]  # tied with token 60, and ranked above it by id
+    rows, tokens = [0, 1, 1, 2, 3, 4, 1], [7, 60, 10, 4095, 0, 123, 49]
+    above, at = sampling.pit_terms(p, rows, tokens)
+    rows_p = p[rows].double()
+    t = torch.tensor(tokens)
+    mass = rows_p.gather(1, t[:, None])
+    ids = torch.arange(4096)
+    ahead = (rows_p > mass) | ((rows_p == mass) & (ids[None, :] < t[:, None]))
+    assert above == pytest.approx((rows_p * ahead).sum(-1).tolist(), rel=1e-12, abs=1e-15)
+    assert at == mass[:, 0].tolist()
+
+
 def test_the_emitted_tokens_terms_are_checked():
     above, at = [0.0, 0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8, 0.9]
     # gamma 2 (x1, x2, residuals r1, r2, bonus): x1 accepted, then r2.
