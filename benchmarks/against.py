@@ -10,8 +10,8 @@ revisions do); without REV both stacks run this build, an A/A run that shows
 the scatter of the measurement itself. Both stacks run the demo pair (``--draft``,
 ``--target``) with one torch thread per service, on the machine's shared cores,
 and stay up for the whole run; only one serves at a time. Each round runs every
-configuration on both stacks in turn, the order alternating from round to
-round, over the same seeded prompts. The report gives each configuration's
+configuration on both stacks, over the same seeded prompts, in an order that
+rotates from round to round (``run.measure``). The report gives each configuration's
 tokens per second on each side (median of the rounds) and the paired ratio
 this build / REV of every round: on this VM single runs drift by 10-20%, and
 pairs taken minutes apart share most of it.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 import time
@@ -38,6 +37,8 @@ from .common import (
     machine_info,
     start_services,
 )
+from .plain_runs import paired, side_by_side_header
+from .run import measure
 
 # <mode><gamma>@<temperature>[-k<top_k>][-p<top_p>]: GenerateRequest fields
 CONFIGS: dict[str, dict] = {
@@ -62,43 +63,29 @@ def _worktree(rev: str, parent: Path) -> Path:
     return path
 
 
-def _round(client: Client, fields: dict, prompts: list[str], tokens: int, r: int) -> float:
-    """tok/s of one configuration over the prompts, one request at a time."""
-    made = secs = 0.0
-    for j, prompt in enumerate(prompts):
-        res = client.generate(prompt, tokens, seed=1000 * r + j, **fields)
-        made += res["tokens"]
-        secs += res["wall_s"]
-    return made / secs
+SIDES = ("before", "now")
 
 
 def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = PROMPTS[: args.prompts]
     configs = {name: CONFIGS[name] for name in args.configs}
-    sides = ("before", "now")
     stacks = {}
     with tempfile.TemporaryDirectory(prefix="specdec-against-") as tmp:
         old = _worktree(args.rev, Path(tmp)) if args.rev else None
         try:
-            for side, repo in (("before", old), ("now", None)):
+            for side, repo in zip(SIDES, (old, None), strict=True):
                 stacks[side] = start_services(
                     out / side, args.draft, args.target, threads=1, draft_threads=1, repo=repo
                 )  # fmt: skip
-            clients = {side: Client(stacks[side].address("orchestrator")) for side in sides}
-            for fields in configs.values():  # warm-up
-                for client in clients.values():
-                    client.generate(prompts[0], 8, seed=1, **fields)
-            load = os.getloadavg()
+            clients = {side: Client(stacks[side].address("orchestrator")) for side in SIDES}
+            info = machine_info("cpu")
             start = time.time()
-            rates: dict[str, dict[str, list[float]]] = {c: {s: [] for s in sides} for c in configs}
-            for r in range(args.rounds):
-                for name, fields in configs.items():
-                    for side in sides if r % 2 == 0 else sides[::-1]:
-                        rate = _round(clients[side], fields, prompts, args.max_new_tokens, r)
-                        rates[name][side].append(rate)
-                print(f"round {r + 1}/{args.rounds} done", flush=True)
+            # Each configuration once per side, every round; the order rotates (run.measure).
+            via = {f"{name}:{side}": clients[side] for name in configs for side in SIDES}
+            both = {f"{name}:{side}": configs[name] for name in configs for side in SIDES}
+            prompts = PROMPTS[: args.prompts]
+            rates = measure(via, both, prompts, args.max_new_tokens, args.rounds)
             for client in clients.values():
                 client.close()
         finally:
@@ -107,39 +94,37 @@ def run(args: argparse.Namespace) -> dict:
             if old is not None:
                 for cmd in (["remove", "--force", str(old)], ["prune"]):
                     subprocess.run(["git", "worktree", *cmd], cwd=REPO, check=False)
+    info["load_average_end"] = list(os.getloadavg())
     rows = {}
-    for name, by_side in rates.items():
-        ratios = [n / b for b, n in zip(by_side["before"], by_side["now"], strict=True)]
+    for name in configs:
+        before, now = (rates[f"{name}:{side}"] for side in SIDES)
         rows[name] = {
             "fields": configs[name],
-            "before_tok_s": statistics.median(by_side["before"]),
-            "now_tok_s": statistics.median(by_side["now"]),
-            "ratios": ratios,
-            "ratio_median": statistics.median(ratios),
-            "runs": by_side,
+            "before_tok_s": before["tok_s"],
+            "now_tok_s": now["tok_s"],
+            "ratios": [n / b for b, n in zip(before["tok_s_runs"], now["tok_s_runs"], strict=True)],
+            "ratio_median": paired(now["tok_s_runs"], before["tok_s_runs"]),
         }
     return {
-        "machine": machine_info("cpu"),
+        "machine": info,
         "against": args.rev or "itself (A/A)",
         "rounds": args.rounds,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        "load_average": load,
-        "load_average_end": os.getloadavg(),
         "seconds": time.time() - start,
         "rows": rows,
     }
 
 
 def report(result: dict) -> str:
-    lines = [
-        f"# This build against {result['against']}",
-        "",
-        f"{result['rounds']} alternating rounds of {result['prompts']} prompts x "
-        f"{result['max_new_tokens']} new tokens per configuration; load average "
-        f"{result['load_average'][0]:.2f} at the start, {result['load_average_end'][0]:.2f} "
-        f"at the end; {result['seconds']:.0f} s.",
-        "",
+    lines = side_by_side_header(
+        f"This build against {result['against']}",
+        result["machine"],
+        f"{result['rounds']} rounds of {result['prompts']} prompts x "
+        f"{result['max_new_tokens']} new tokens per configuration and side, the order "
+        f"rotating; {result['seconds']:.0f} s.",
+    )
+    lines += [
         "| configuration | before, tok/s | now, tok/s | now / before, by round | median |",
         "| --- | --- | --- | --- | --- |",
     ]
