@@ -72,11 +72,17 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
+def _numpy_reads(t: torch.Tensor) -> bool:
+    """Whether numpy can read ``t`` in place (a CPU tensor of float32 or float64),
+    where the CPU's paths below run row by row in numpy."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+
+
 def _kth_largest(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Each row's k-th largest score: [..., vocab] -> [..., 1]. On the CPU from
     ``_most_likely``'s selection (one thread, at 151,936 tokens, 0.5-0.8 ms a row
     with torch's top-k)."""
-    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+    if not _numpy_reads(scores):
         return torch.topk(scores, k, dim=-1).values[..., -1:]
     rows = scores.detach().reshape(-1, scores.shape[-1]).numpy()
     kth = [row[_most_likely(row, k)].min() for row in rows]
@@ -95,7 +101,7 @@ def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     random logits: the whole vocabulary's sort took 1.3 / 14 / 74 ms at 4,096 /
     32,000 / 151,936 tokens.
     """
-    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+    if not _numpy_reads(scores):
         sorted_scores, order = torch.sort(scores, dim=-1)  # ascending
         cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cum <= (1.0 - top_p)
@@ -557,7 +563,7 @@ def pit_terms(
     """
     if not tokens:
         return [], []
-    if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64):
+    if _numpy_reads(p):
         table = p.detach().numpy()  # [positions, vocab]
         above, at = [], []
         for r, t in zip(rows, tokens, strict=True):
