@@ -90,15 +90,14 @@ def sampling_at(rev: str) -> types.ModuleType:
 def measure(
     vocab: int,
     gamma: int,
-    temperature: float,
+    params: SamplingParams,
     steps: int,
     top_k: int = 256,
     before: types.ModuleType | None = None,
-    warp: SamplingParams = SamplingParams(),
 ) -> dict[str, float]:
-    """Median microseconds per step of the draft's and the target's arithmetic;
-    with ``before`` (``sampling_at``), also that module's, measured in pairs."""
-    params = SamplingParams(temperature, warp.top_k, warp.top_p)
+    """Median microseconds per step of the draft's and the target's arithmetic for
+    requests with ``params``, listing ``top_k`` tokens of q; with ``before``
+    (``sampling_at``), also that module's, measured in pairs."""
     g = torch.Generator().manual_seed(vocab)
     pool = 8  # distinct logits, cycled
     draft_logits = [torch.randn(gamma, vocab, generator=g) * 4 for _ in range(pool)]
@@ -162,7 +161,6 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0, help="the requests' top-k at T=1 (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="the requests' top-p at T=1 (1: off)")
     args = ap.parse_args()
-    warp = SamplingParams(1.0, args.top_k, args.top_p)
     keep_freed(args.keep_freed_mb)
     before = sampling_at(args.against) if args.against else None
     torch.set_num_threads(1)
@@ -181,7 +179,8 @@ def main() -> None:
     for vocab in args.vocabs:
         for t in (0.0, 1.0):
             for k in args.wire_top_k if t else args.wire_top_k[:1]:  # greedy lists one token
-                r = measure(vocab, args.gamma, t, args.steps, k, before, warp)
+                params = SamplingParams(t, args.top_k, args.top_p)
+                r = measure(vocab, args.gamma, params, args.steps, k, before)
                 rows.append({"vocab": vocab, "temperature": t, "wire_top_k": k, **r})
                 mode = "greedy" if t == 0 else f"T={t:g}"
                 cells = [f"{r[f'{part}_us']:.0f}" for part in ("draft", "target")]
