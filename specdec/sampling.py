@@ -294,65 +294,95 @@ def sparse_q(
             z = scores.numpy() / np.float32(params.temperature)
         else:
             z = scores.numpy()
-        # [k] the k most likely, the most likely first (rounding leftovers go to it)
-        if k < vocab:
-            ids = _most_likely(z, k)
-        else:
-            ids = np.arange(vocab)
-            j = int(np.argmax(z))
-            ids[[0, j]] = ids[[j, 0]]
         if eps > 0:  # the cut by mass walks the list most likely first
+            ids = np.arange(vocab) if k == vocab else _most_likely(z, k)
             ids = ids[np.argsort(-z[ids], kind="stable")]
-        top = float(z[ids[0]])
+            lead = 0
+        else:  # ascending, the wire's order (``pack_q`` then sorts nothing)
+            ids = np.arange(vocab) if k == vocab else _largest_ascending(z, k)
+            lead = int(np.argmax(z[ids]))
+        top = float(z[ids[lead]])
         log_total = top + math.log(float(np.exp(z - top).sum(dtype=np.float64)))
         probs = np.exp(z[ids].astype(np.float64) - log_total)  # [k] warped mass of each
-    else:
-        scores = logits.float() / params.temperature
-        if not params.full_support:
-            scores = warp_logits(logits.float(), params)
-        top, ids = torch.topk(scores, k)  # [k] each, most likely first
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = np.exp(top.double().cpu().numpy() - float(lse))  # [k] warped mass of each
-        ids = ids.cpu().numpy()
+        return quantize(ids, probs, vocab, eps, bits, params.full_support, lead)
+    scores = logits.float() / params.temperature
+    if not params.full_support:
+        scores = warp_logits(logits.float(), params)
+    top, ids = torch.topk(scores, k)  # [k] each, most likely first
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = np.exp(top.double().cpu().numpy() - float(lse))  # [k] warped mass of each
+    ids = ids.cpu().numpy()
     return quantize(ids.astype(np.int64), probs, vocab, eps, bits, keep_tail=params.full_support)
-
-
-# _most_likely's sample: every stride-th score, the stride chosen for about this many.
-_SAMPLE_SIZE = 4096
 
 
 def _most_likely(z: np.ndarray, k: int) -> np.ndarray:
     """The ids of the k largest of the scores z, the largest first, the rest in no
     order. z: [vocab], 0 < k < vocab -> [k].
 
-    A partition of the whole vocabulary costs about 1.4 ms at 151,936 tokens. So a
-    strided sample of z (about ``_SAMPLE_SIZE`` scores) guesses a score safely below
-    the k-th largest: with k / stride of the sample expected above the k-th
-    largest, the cut leaves 4 standard deviations and 8 more above it. Only the
-    scores at or above the cut are partitioned, with the leader found in the same
-    pass. A guess too high (fewer than k at or above it, which the margin makes
-    rare) falls back to the whole; so does a cut that would pass more than half
-    of the vocabulary. Either way the set is the k largest (ties at its edge
-    broken either way, as by any partition). One thread, random scores: 79-122 us
-    at 151,936 tokens (256 and 1,024 listed) against 355-892 with torch's top-k,
-    36-67 us at 32,000 (about 370 for the whole).
+    A partition of the whole vocabulary costs about 1.4 ms at 151,936 tokens, so
+    only the candidates above a guessed cut are partitioned (``_candidates``),
+    with the leader found in the same pass; a guess that fails falls back to the
+    whole. Either way the set is the k largest (ties at its edge broken either
+    way, as by any partition). One thread, random scores: 79-122 us at 151,936
+    tokens (256 and 1,024 listed) against 355-892 with torch's top-k, 36-67 us at
+    32,000 (about 370 for the whole).
     """
-    vocab = len(z)
-    stride = max(8, vocab // _SAMPLE_SIZE)
-    expected = k / stride
-    above_cut = math.ceil(expected + 4 * math.sqrt(expected) + 8)  # of the sample
-    if 2 * above_cut * stride <= vocab:
-        sample = z[::stride]
-        rank = len(sample) - above_cut
-        cut = np.partition(sample, rank)[rank]
-        ids = np.flatnonzero(z >= cut)  # [n]
+    ids = _candidates(z, k)
+    if ids is not None:
         n = len(ids)
-        if n >= k:
-            return ids[np.argpartition(z[ids], (n - k, n - 1))[n - k :][::-1]]
+        return ids[np.argpartition(z[ids], (n - k, n - 1))[n - k :][::-1]]
+    vocab = len(z)
     ids = np.argpartition(z, vocab - k)[vocab - k :]
     j = int(np.argmax(z[ids]))
     ids[[0, j]] = ids[[j, 0]]
     return ids
+
+
+def _largest_ascending(z: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest of the scores z, in ascending order (the wire's):
+    z: [vocab], 0 < k < vocab -> [k]. The k-th largest score is found among the
+    candidates (``_candidates``) or the whole; the ids at or above it come out of
+    a mask already sorted, where ``_most_likely``'s partition scrambles them and
+    ``pack_q`` had to sort them back (45 us of a gamma-4 step's packing at 4,096
+    tokens). Ties at the k-th score keep the lowest ids."""
+    ids = _candidates(z, k)
+    scores = z if ids is None else z[ids]
+    n = len(scores)
+    kth = np.partition(scores, n - k)[n - k]
+    keep = scores >= kth
+    ids = np.flatnonzero(keep) if ids is None else ids[keep]
+    if len(ids) > k:  # ties at the k-th score: drop the highest ids among them
+        tied = np.flatnonzero(z[ids] == kth)
+        ids = np.delete(ids, tied[len(tied) - (len(ids) - k) :])
+    if len(ids) != k:  # NaN scores (never ordered): whatever the partition gives
+        ids = np.sort(_most_likely(z, k))
+    return ids
+
+
+# _candidates' sample: every stride-th score, the stride chosen for about this many.
+_SAMPLE_SIZE = 4096
+
+
+def _candidates(z: np.ndarray, k: int) -> np.ndarray | None:
+    """Ascending ids of some n >= k scores that include the k largest, guessed from
+    a sample; None where the whole vocabulary must be searched instead.
+
+    A strided sample of z (about ``_SAMPLE_SIZE`` scores) guesses a score safely
+    below the k-th largest: with k / stride of the sample expected above the k-th
+    largest, the cut leaves 4 standard deviations and 8 more above it. A guess too
+    high (fewer than k at or above it, which the margin makes rare) gives None;
+    so does a cut that would pass more than half of the vocabulary."""
+    vocab = len(z)
+    stride = max(8, vocab // _SAMPLE_SIZE)
+    expected = k / stride
+    above_cut = math.ceil(expected + 4 * math.sqrt(expected) + 8)  # of the sample
+    if 2 * above_cut * stride > vocab:
+        return None
+    sample = z[::stride]
+    rank = len(sample) - above_cut
+    cut = np.partition(sample, rank)[rank]
+    ids = np.flatnonzero(z >= cut)  # [n]
+    return ids if len(ids) >= k else None
 
 
 def draft_position(
@@ -371,23 +401,34 @@ def draft_position(
 
 
 def quantize(
-    ids: np.ndarray, probs: np.ndarray, vocab: int, eps: float, bits: int, keep_tail: bool
+    ids: np.ndarray,
+    probs: np.ndarray,
+    vocab: int,
+    eps: float,
+    bits: int,
+    keep_tail: bool,
+    lead: int = 0,
 ) -> SparseQ:
-    """Integer counts out of 2^bits for ``probs`` (the most likely first; sorted
-    throughout when eps > 0).
+    """Integer counts out of 2^bits for ``probs`` (sorted, the most likely first,
+    when eps > 0; in any order otherwise, the most likely at index ``lead``).
 
-    ids, probs: [k]. The listed set is cut where the cumulative mass first
-    reaches 1 - eps (with eps = 0 only rounding noise is cut, whatever the order);
-    ``keep_tail`` spreads the rest over the unlisted tokens.
+    ids, probs: [k]. With eps > 0 the listed set is cut where the cumulative mass
+    first reaches 1 - eps;
+    ``keep_tail`` spreads the rest over the unlisted tokens. Rounding leftovers
+    beyond one per entry go to the most likely token.
     """
     scale = 1 << bits
-    cum = np.cumsum(probs)
-    k = min(int(np.searchsorted(cum, 1.0 - eps)) + 1, len(probs))
-    ids, probs = ids[:k], probs[:k]
-    tail_mass = max(0.0, 1.0 - float(cum[k - 1])) if keep_tail and k < vocab else 0.0
-    exact = probs * (scale / (float(cum[k - 1]) + tail_mass))  # [k] target counts
-    counts = np.floor(exact).astype(np.int64)
-    tail = int(tail_mass * scale / (float(cum[k - 1]) + tail_mass))
+    k = len(probs)
+    if eps > 0:  # (eps 0 would cut only rounding noise: nothing to save, and lead must stay)
+        cum = np.cumsum(probs)
+        k = min(int(np.searchsorted(cum, 1.0 - eps)) + 1, k)
+        ids, probs, listed = ids[:k], probs[:k], float(cum[k - 1])
+    else:
+        listed = float(probs.sum())
+    tail_mass = max(0.0, 1.0 - listed) if keep_tail and k < vocab else 0.0
+    exact = probs * (scale / (listed + tail_mass))  # [k] target counts
+    counts = exact.astype(np.int64)  # (their floors: exact >= 0)
+    tail = int(tail_mass * scale / (listed + tail_mass))
     left = scale - tail - int(counts.sum())
     if left > 0:  # largest remainders first; a leftover beyond k goes to the top token
         if left < k:
@@ -395,14 +436,14 @@ def quantize(
         else:
             order = np.arange(k)
         counts[order] += 1
-        counts[0] += left - len(order)
-    keep = counts > 0
-    if not keep.all():
+        counts[lead] += left - len(order)
+    if not counts.all():  # (counts >= 0: only the zeros go)
+        keep = counts > 0
         ids, counts = ids[keep], counts[keep]
-    if tail and len(ids) == vocab:  # nothing left to spread it over
-        counts[0] += tail
+    if tail and len(ids) == vocab:  # nothing left to spread it over (nothing was dropped)
+        counts[lead] += tail
         tail = 0
-    return SparseQ(ids.astype(np.int64), counts, tail, vocab, bits)
+    return SparseQ(ids.astype(np.int64, copy=False), counts, tail, vocab, bits)
 
 
 # ---- the target's half of a step ----------------------------------------------------------

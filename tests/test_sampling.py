@@ -155,14 +155,16 @@ def test_sparse_q_is_the_truncated_warped_q_quantized(params):
 @pytest.mark.parametrize("vocab", [4096, 32_000, 151_936])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sparse_q_lists_the_most_likely_tokens_at_any_vocabulary(vocab, temperature):
-    """The listed tokens are the k most likely, with the most likely first (it takes
-    the rounding leftovers), and the counts are the largest-remainder rounding of
-    their warped mass."""
+    """The listed tokens are the k most likely, in ascending order (the wire's), and
+    the counts are the largest-remainder rounding of their warped mass. With a cut
+    by mass (eps > 0) they are listed the most likely first."""
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(6)) * 3
     params = SamplingParams(temperature)
-    q = sparse_q(logits, params, max_entries=256, eps=0.0)
     top = logits.topk(256).indices
-    assert set(q.ids.tolist()) == set(top.tolist()) and q.ids[0] == top[0]
+    by_mass = sparse_q(logits, params, max_entries=256, eps=1e-9)
+    assert set(by_mass.ids.tolist()) == set(top.tolist()) and by_mass.ids[0] == top[0]
+    q = sparse_q(logits, params, max_entries=256, eps=0.0)
+    assert q.ids.tolist() == sorted(top.tolist())
     full = probs_from_logits(logits.double(), params)[q.ids].numpy()
     expected = full * (1 << 16)
     assert np.abs(q.counts - expected).max() <= 1.0 + 1e-6
@@ -200,6 +202,23 @@ def test_most_likely_finds_the_k_largest_from_a_sample_or_the_whole(vocab, k):
         assert np.sort(z[ids]).tolist() == np.sort(z[want]).tolist(), name
         assert len(set(ids.tolist())) == kk, name
         assert z[ids[0]] == z.max(), name
+
+
+@pytest.mark.parametrize("vocab", [300, 4096, 32_000, 151_936])
+@pytest.mark.parametrize("k", [1, 64, 256, 1024])
+def test_largest_ascending_finds_the_k_largest_in_id_order(vocab, k):
+    """``_largest_ascending``, from a sample's cut or the whole, on the same layouts
+    and on ties at the k-th score: exactly k distinct ids, ascending, the k largest."""
+    layouts = _layouts(vocab)
+    tied = layouts["random"].copy()
+    tied[np.argsort(-tied)[max(0, k - 3) : k + 5]] = 1.5  # ties straddle the k-th
+    layouts["tied"] = tied
+    for name, z in layouts.items():
+        kk = min(k, vocab - 1)
+        ids = sampling._largest_ascending(z, kk)
+        assert len(ids) == kk and (np.diff(ids) > 0).all(), name
+        want = np.argsort(-z.astype(np.float64), kind="stable")[:kk]
+        assert np.sort(z[ids]).tolist() == np.sort(z[want]).tolist(), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
