@@ -457,7 +457,14 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | QEntries) -> torch.
 
     NOTE: a row with no residual mass (q >= p everywhere, so q == p) can never
     be rejected; it gets p so that sampling it stays well defined.
+    On the CPU, up to ``_NUMPY_ROWS_UP_TO`` tokens, in numpy: its calls cost a few
+    microseconds where torch's cost tens (a gamma-4 step's residuals at 4,096
+    tokens, one thread: 82 us against 117); torch's kernels win on long rows (846
+    against 724 at 151,936 tokens; even at 32,000).
     """
+    dense_ok = not isinstance(q, torch.Tensor) or _numpy_reads(q)
+    if _numpy_reads(p) and p.shape[-1] <= _NUMPY_ROWS_UP_TO and dense_ok:
+        return torch.from_numpy(_residual_numpy(p.detach().numpy(), q))
     if isinstance(q, torch.Tensor):
         r = (p - q).clamp_min_(0)
     else:
@@ -468,6 +475,26 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | QEntries) -> torch.
         r.view(-1).index_copy_(0, flat, (p.reshape(-1).take(flat) - listed).clamp_min(0))
     mass = r.sum(dim=-1, keepdim=True)  # [..., 1]
     r /= mass.clamp_min(torch.finfo(r.dtype).tiny)  # (in place: r is ours)
+    empty = ~(mass[..., 0] > 0)  # [...]
+    if empty.any():
+        r[empty] = p[empty]
+    return r
+
+
+_NUMPY_ROWS_UP_TO = 16_384  # tokens a row; see residual_distribution
+
+
+def _residual_numpy(p: np.ndarray, q: torch.Tensor | QEntries) -> np.ndarray:
+    """``residual_distribution`` with the same float operations in numpy."""
+    if isinstance(q, torch.Tensor):
+        r = p - q.detach().numpy()
+    else:
+        r = p - q.share.astype(p.dtype)[:, None]  # [gamma, vocab], ours
+        flat = q.row * p.shape[-1] + q.ids  # [total]
+        r.reshape(-1)[flat] = p.reshape(-1)[flat] - q.listed.astype(p.dtype)
+    np.maximum(r, 0, out=r)
+    mass = r.sum(axis=-1, keepdims=True)  # [..., 1]
+    r /= np.maximum(mass, np.finfo(r.dtype).tiny)
     empty = ~(mass[..., 0] > 0)  # [...]
     if empty.any():
         r[empty] = p[empty]
