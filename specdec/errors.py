@@ -56,6 +56,12 @@ class Internal(SpecdecError):
     the replica is not taken out of rotation."""
 
 
+class NonFiniteLogits(Internal):
+    """A model's logits hold NaN (or +inf where probabilities are formed from them):
+    an overflow, most often in float16. Nothing can be drawn from them; the step
+    fails instead of emitting a token that means nothing."""
+
+
 class SessionLost(SpecdecError):
     """A model service no longer holds a session as the caller knows it (it
     restarted, or the cache length disagrees): re-open it from the history."""

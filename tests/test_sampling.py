@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec import sampling
+from specdec.errors import NonFiniteLogits
 from specdec.rng import generator
 from specdec.sampling import (
     SamplingParams,
@@ -224,15 +225,20 @@ def test_largest_ascending_finds_the_k_largest_in_id_order(vocab, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_greedy_tokens_are_torchs_argmax(dtype):
     """numpy's argmax on the CPU picks what torch's does: the first of tied maxima (many
-    in half precision), a NaN over any number, every row of a batch, any strides."""
+    in half precision), +inf, every row of a batch, any strides; a row with a NaN
+    (which both would pick) is refused, wherever it is."""
     x = (torch.randn(6, 5000, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
     x[1, 4000] = x[1, 9] = x[1].max() + 1  # a tie: the first wins
-    x[2, 17] = float("nan")
     x[3] = float("-inf")
     x[4, 100] = float("inf")
     assert sampling.greedy_tokens(x) == x.argmax(dim=-1).tolist()
     assert sampling.greedy_tokens(x[1]) == int(x[1].argmax()) == 9
     assert sampling.greedy_tokens(x.t()[:100]) == x.t()[:100].argmax(dim=-1).tolist()
+    assert sampling.greedy_tokens(x.reshape(2, 3, -1)) == x.argmax(dim=-1).reshape(2, 3).tolist()
+    x[2, 17] = float("nan")
+    for rows in (x, x[2], x.t()[:100], x.reshape(2, 3, -1)):
+        with pytest.raises(NonFiniteLogits):
+            sampling.greedy_tokens(rows)
 
 
 def test_sparse_q_takes_half_precision_logits():
