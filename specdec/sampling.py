@@ -82,12 +82,12 @@ def _numpy_reads(t: torch.Tensor) -> bool:
 
 def _kth_largest(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Each row's k-th largest score: [..., vocab] -> [..., 1]. On the CPU from
-    ``_most_likely``'s selection (one thread, at 151,936 tokens, 0.5-0.8 ms a row
-    with torch's top-k)."""
+    ``_kth_score``'s partition of a sampled cut's candidates (one thread, at
+    151,936 tokens, 0.5-0.8 ms a row with torch's top-k)."""
     if not _numpy_reads(scores):
         return torch.topk(scores, k, dim=-1).values[..., -1:]
     rows = scores.detach().reshape(-1, scores.shape[-1]).numpy()
-    kth = [row[_most_likely(row, k)].min() for row in rows]
+    kth = [_kth_score(row, k)[2] for row in rows]
     return torch.tensor(kth, dtype=scores.dtype).reshape(*scores.shape[:-1], 1)
 
 
@@ -177,16 +177,17 @@ def greedy_tokens(logits: torch.Tensor) -> Any:
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()  # (monotone: the same argmax)
     table = x.numpy()
-    argmax = table.argmax(axis=-1).tolist()
+    argmax = table.argmax(axis=-1)  # [...]
+    # A scalar read per row: numpy's calls on arrays cost microseconds (one row: a
+    # drafted position, gamma of them a step).
     if table.ndim == 1:
         nan = math.isnan(table[argmax])
-    else:  # a scalar read per row: numpy's calls on arrays cost microseconds
-        table = table.reshape(-1, table.shape[-1])
-        rows = argmax if table.shape[0] == len(argmax) else np.ravel(argmax).tolist()
-        nan = any(math.isnan(table[r, t]) for r, t in enumerate(rows))
+    else:
+        rows = table.reshape(-1, table.shape[-1])
+        nan = any(math.isnan(rows[r, t]) for r, t in enumerate(argmax.reshape(-1).tolist()))
     if nan:
         raise NonFiniteLogits(_NON_FINITE)
-    return argmax
+    return argmax.tolist()
 
 
 def _require_finite(log_total: float) -> None:
@@ -329,14 +330,22 @@ def sparse_q(
         if eps > 0:  # the cut by mass walks the list most likely first
             ids = np.arange(vocab) if k == vocab else _most_likely(z, k)
             ids = ids[np.argsort(-z[ids], kind="stable")]
-            lead = 0
-        else:  # ascending, the wire's order (``pack_q`` then sorts nothing)
+        elif params.full_support:  # ascending, the wire's order (``pack_q`` sorts nothing)
             ids = np.arange(vocab) if k == vocab else _largest_ascending(z, k)
-            lead = int(np.argmax(z[ids]))
-        top = float(z[ids[lead]])
+        else:  # the same among the tokens warping kept (ascending too): a partition
+            # whose k-th falls in a long run of -inf ties takes milliseconds
+            possible = np.flatnonzero(z != -np.inf)  # (NaN stays, to be refused below)
+            if not len(possible):  # (every token removed: only a NaN row warps so)
+                raise NonFiniteLogits(_NON_FINITE)
+            if len(possible) > k:
+                possible = possible[_largest_ascending(z[possible], k)]
+            ids = possible
+        listed = z[ids]  # [k]
+        lead = 0 if eps > 0 else int(np.argmax(listed))
+        top = float(listed[lead])
         log_total = top + math.log(float(np.exp(z - top).sum(dtype=np.float64)))
         _require_finite(log_total)
-        probs = np.exp(z[ids].astype(np.float64) - log_total)  # [k] warped mass of each
+        probs = np.exp(listed.astype(np.float64) - log_total)  # [k] warped mass of each
         return quantize(ids, probs, vocab, eps, bits, params.full_support, lead)
     scores = logits.float() / params.temperature
     if not params.full_support:
@@ -379,10 +388,7 @@ def _largest_ascending(z: np.ndarray, k: int) -> np.ndarray:
     a mask already sorted, where ``_most_likely``'s partition scrambles them and
     ``pack_q`` had to sort them back (45 us of a gamma-4 step's packing at 4,096
     tokens). Ties at the k-th score keep the lowest ids."""
-    ids = _candidates(z, k)
-    scores = z if ids is None else z[ids]
-    n = len(scores)
-    kth = np.partition(scores, n - k)[n - k]
+    ids, scores, kth = _kth_score(z, k)
     keep = scores >= kth
     ids = np.flatnonzero(keep) if ids is None else ids[keep]
     if len(ids) > k:  # ties at the k-th score: drop the highest ids among them
@@ -391,6 +397,16 @@ def _largest_ascending(z: np.ndarray, k: int) -> np.ndarray:
     if len(ids) != k:  # NaN scores (never ordered): whatever the partition gives
         ids = np.sort(_most_likely(z, k))
     return ids
+
+
+def _kth_score(z: np.ndarray, k: int) -> tuple[np.ndarray | None, np.ndarray, Any]:
+    """The k-th largest of the scores z (0 < k < vocab), partitioned out of the
+    candidates (``_candidates``) or the whole: (the candidates' ascending ids, None
+    for the whole; their scores; the k-th largest)."""
+    ids = _candidates(z, k)
+    scores = z if ids is None else z[ids]
+    n = len(scores)
+    return ids, scores, np.partition(scores, n - k)[n - k]
 
 
 # _candidates' sample: every stride-th score, the stride chosen for about this many.
