@@ -214,8 +214,9 @@ def _sessions_per_pass(
 ):
     """Sessions run one-feed jobs of ``kind``, each coming back 3 ms (a round trip)
     after its last one finished, the second starting half a pass late; with
-    ``skew_s``, every other trip of each session (alternating between them) takes
-    that much longer, so sessions that left one forward come back ``skew_s`` apart.
+    ``skew_s``, session i's trips take ``i * skew_s`` longer, so sessions that left
+    one forward come back ``skew_s`` apart (a steady skew: sessions that are not
+    waited for drift apart and meet again only by chance).
     Returns the mean number of sessions per forward and the wall time."""
     import asyncio
     import time
@@ -232,9 +233,9 @@ def _sessions_per_pass(
     async def session(i: int, loop: ForwardLoop) -> None:
         kv = SessionKV()
         await asyncio.sleep(0.0005 * i)
-        for r in range(rounds):
+        for _ in range(rounds):
             await loop.run(job(kv), kind)
-            await asyncio.sleep(0.003 + skew_s * ((r + i) % 2))
+            await asyncio.sleep(0.003 + skew_s * i)
         loop.forget(kv)
 
     async def main() -> float:
