@@ -2,9 +2,13 @@
 fallback. The step (``orchestrator.step``) never sees any of it.
 
 * ``DraftLink``: the draft side. A session lost by the draft (it restarted) is
-  re-opened from the token history at once; any other failure opens the
-  replica's circuit breaker and the step goes on without a draft (the target
-  decodes alone: still exact). Speculation resumes when a breaker allows.
+  re-opened from the token history at once; an outage (unreachable, timed out)
+  opens the replica's circuit breaker and the step goes on without a draft (the
+  target decodes alone: still exact). Speculation resumes when a breaker allows.
+  A failure of the draft on this request alone (``Internal``: a NaN in its
+  logits, say) leaves the breaker to other requests and backs off this one: 1,
+  2, 4, ... up to ``MAX_OWN_BACKOFF`` steps without a draft before the next try,
+  since each try re-opens the session from the whole history.
 * ``TargetLink``: the target side. A lost session is re-opened from the
   history; an unreachable replica is retried for ``target_retry_s`` or left
   for another replica serving the same model (equal fingerprint). A new
@@ -39,6 +43,7 @@ from .replicas import Replica, ReplicaPool
 from .step import Cursor
 
 log = logging.getLogger(__name__)
+MAX_OWN_BACKOFF = 64  # steps a request goes without a draft after its draft kept failing
 
 
 @dataclass
@@ -127,6 +132,9 @@ class DraftLink(_Link):
         self.on_fallback = on_fallback
         self.on_recovered = on_recovered  # the replica's breaker closed again
         self.prefilled = False  # the opening prefill was tried (at open, or first draft)
+        self.own_failures = 0  # the draft's failures on this request in a row (Internal)
+        self.skip_steps = 0  # steps left to go without a draft after one of them
+        self.skip_reason = ""
 
     async def _open(self) -> None:
         self.cursor = Cursor.fresh(self.history)
@@ -183,6 +191,10 @@ class DraftLink(_Link):
                 return None
             self._succeeded()
             return proposal
+        if self.skip_steps > 0:  # backing off after the draft failed on this request
+            self.skip_steps -= 1
+            self.on_fallback(self.skip_reason)
+            return None
         if self.session is None:
             replica = self.replica if self.replica and self.replica.usable() else self.pool.pick()
             if replica is None:
@@ -213,6 +225,7 @@ class DraftLink(_Link):
         return None
 
     def _succeeded(self) -> None:
+        self.own_failures = 0
         if self.replica.breaker.success():
             self.on_recovered()
 
@@ -224,8 +237,12 @@ class DraftLink(_Link):
             self.replica.address if self.replica else "?",
             reason,
         )
-        if self.replica is not None and not isinstance(e, Internal):
-            self.replica.breaker.failure()  # an outage, not this request's own failure
+        if isinstance(e, Internal):  # this request's own failure: back off this request
+            self.own_failures += 1
+            self.skip_steps = min(1 << (self.own_failures - 1), MAX_OWN_BACKOFF)
+            self.skip_reason = reason
+        elif self.replica is not None:
+            self.replica.breaker.failure()  # an outage
         self.drop_session()
         self.unpin()
         if fallback:

@@ -4,7 +4,8 @@ drawn from them, so no token is made up from them.
 * In the sampling math, NaN (and +inf, where probabilities are formed) raises
   ``NonFiniteLogits``; -inf (what top-k / top-p remove) and a greedy +inf do not.
 * A draft that overflows costs only its speculation: each step falls back to the
-  target alone, whose output stays exact.
+  target alone, whose output stays exact, and the request backs off the draft
+  (1, 2, 4, ... steps) instead of re-opening its session every step.
 * A target that overflows fails the request with an error saying so.
 """
 
@@ -84,19 +85,32 @@ def _overflowing(src, dst):
 def test_an_overflowing_draft_costs_speculation_not_exactness(tmp_path, llama_pair, temperature):
     draft, target = llama_pair
     broken = _overflowing(draft, tmp_path / "nan-draft")
-    fields = dict(prompt=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=12, gamma=3, seed=11)
+    fields = dict(prompt=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=40, gamma=3, seed=11)
+
+    opens = []
 
     async def scenario():
         async with in_process(broken, target) as system:
+            open_draft = system.drafter.open_draft
+
+            async def counted(*args, **kw):
+                opens.append(1)
+                return await open_draft(*args, **kw)
+
+            system.drafter.open_draft = counted
             return await system.generate(temperature=temperature, **fields)
 
     got, _, stats = asyncio.run(scenario())
-    assert len(got) == 12 and stats.accepted == 0
+    assert len(got) == 40 and stats.accepted == 0
     assert stats.fallback_steps > 0 and stats.fallback_reasons == {"nonfinitelogits"}
+    # The draft is tried (its session opened) at fallback steps 1, 3, 6, 11, ...
+    # (backing off 1, 2, 4, ... steps), not at every one of them.
+    tries = sum(1 for step in (1, 3, 6, 11, 20, 37) if step <= stats.fallback_steps)
+    assert len(opens) == tries < stats.fallback_steps, (opens, stats.fallback_steps)
     if temperature == 0.0:  # the target's own greedy output
         ids = torch.tensor([fields["prompt"]])
         want = load_model(str(target)).generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40
         )
         assert got == want[0, ids.shape[1] :].tolist()
 
