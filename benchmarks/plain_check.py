@@ -12,6 +12,9 @@ learns from it, as it would from a server's earlier traffic):
   and this client on one core, the target on the other);
 - concurrent clients at T=1 (``--clients``), 3 requests of 64 tokens each, on
   shared cores as in ``make bench``'s concurrency section.
+``--baseline-set KEY=VALUE ...`` adds a fourth configuration: adaptive requests,
+the check on, through an orchestrator with those settings ("baseline"), for a
+side-by-side of an adaptive setting under load.
 Rounds interleave the configurations, the order rotating; medians. Prints a
 table; writes results.json and results.md.
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 from specdec.local.proxy import ProxyGroup
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
-from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side_header
+from .plain_runs import interleaved, one_client, paired, save_side_by_side, side_by_side_header
 from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
 
 MAX_NEW = 64
@@ -48,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="the check's adaptive_plain_check_min_requests (1: at any load)",
+    )
+    ap.add_argument(
+        "--baseline-set",
+        nargs="*",
+        default=[],
+        help="KEY=VALUE config settings of one more orchestrator (the check on) whose "
+        "adaptive requests are measured beside (as 'baseline'), e.g. "
+        "orchestrator.adaptive_explore_per_request=false",
     )
     ap.add_argument("--out", default=f"results/plain-check-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
@@ -72,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
             "on": stack.start_orchestrator("orchestrator-check", d, t, sets(True))[0],
             "off": stack.start_orchestrator("orchestrator-nocheck", d, t, sets(False))[0],
         }
+        modes = dict(MODES)
+        if args.baseline_set:
+            extra = dict(kv.split("=", 1) for kv in args.baseline_set)  # parsed as --set
+            direct["baseline"] = stack.start_orchestrator(
+                "orchestrator-baseline", d, t, {**sets(True), **extra}
+            )[0]
+            modes["baseline"] = ("baseline", MODES["check"][1])
+            info["baseline_set"] = args.baseline_set
         d, t = proxies.add(d), proxies.add(t)
         proxied = {
             "on": stack.start_orchestrator("orchestrator-proxied", d, t, sets(True))[0],
@@ -102,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         a, n, f, PROMPTS, 3, MAX_NEW, r
                     )[0]
                 )
-                for mode, (orch, fields) in MODES.items()
+                for mode, (orch, fields) in modes.items()
             }
             rates |= interleaved(configs, args.repeats)
             print(f"{n} clients done", flush=True)
@@ -131,6 +150,25 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {c:.1f} | {nc:.1f} | {p:.1f} | {c / p:.2f} | {nc / p:.2f} | "
             f"{c / nc:.2f} |"
         )
+    if args.baseline_set:
+        lines += [
+            "",
+            f"Baseline: adaptive, the check on, with {' '.join(args.baseline_set)}.",
+            "",
+            "| | check tok/s | baseline | plain | check / plain | baseline / plain | "
+            "check / baseline, paired rounds |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for n in args.clients:
+            key = f" x{n}"
+            c, b, p = med[f"check{key}"], med[f"baseline{key}"], med[f"plain{key}"]
+            pair = zip(rates[f"check{key}"], rates[f"baseline{key}"], strict=True)
+            each = [x / y for x, y in pair]
+            lines.append(
+                f"| {n} clients | {c:.1f} | {b:.1f} | {p:.1f} | {c / p:.2f} | {b / p:.2f} | "
+                f"{paired(rates[f'check{key}'], rates[f'baseline{key}']):.2f} "
+                f"({', '.join(f'{x:.2f}' for x in each)}) |"
+            )
     save_side_by_side(out, lines, info, rates, med)
     return 0
 

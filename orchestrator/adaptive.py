@@ -56,8 +56,12 @@ Estimates are exponentially weighted; the pool's acceptance rate starts from a
 prior that its first judged drafts only move. A request's acceptance rate is
 shrunk toward the pool's (one pool rate for greedy requests, one for sampled:
 their acceptance differs). While plain decoding wins, a step drafts anyway once
-per 64 plain tokens of the pool, as many tokens as the model would draft if
-drafting paid, so that the estimates stay current.
+per 64 plain tokens of each request generating at once (``explore_tokens``), as
+many tokens as the model would draft if drafting paid, so that the estimates
+stay current. (Once per 64 plain tokens of the whole pool, as before 2026-12-02,
+is one step in eight of every request at any load: under heavy load, where
+plain decoding wins, an eighth of the steps drafted and each one's rejected
+tokens cost every session in the shared pass.)
 
 **Checked against plain decoding, as measured** (``PlainGuard``). A model can
 be wrong in ways no calibration sees: one request's speculation slows every
@@ -85,7 +89,6 @@ _SMOOTH = 0.1  # weight of a new observation
 _ALPHA_SMOOTH = 0.03
 _FORGET = 0.98  # per observation, in the line fits
 _PRIOR_TOKENS = 16.0  # judged drafts' worth of the pool's acceptance rate in a request's
-_EXPLORE_EVERY = 64  # plain tokens of the pool, then a step drafts anyway (fresh estimates)
 _PRIOR_SLOPE = 0.05  # a token costs this fraction of a pass's fixed cost until measured
 
 
@@ -306,6 +309,10 @@ class CostModel:
     check_min_requests: int = 1
     # Learn blocks' leads (``draft_path_cost``); False: a block's whole drafting time counts.
     count_lead: bool = True
+    # While plain decoding wins, a step drafts anyway after this many plain tokens
+    # (0: never), per request generating at once (False: of the whole pool).
+    explore_tokens: int = 64
+    explore_per_request: bool = True
 
     def guard(self, greedy: bool, requests: int) -> PlainGuard | None:
         """The check against plain decoding for this sampling class with ``requests``
@@ -414,14 +421,17 @@ class CostModel:
         self.predicted_s[kind].add(predicted)
         metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
 
-    def explore(self) -> bool:
+    def explore(self, requests: int = 1) -> bool:
         """Whether a step the model would decode plain should draft instead,
         to keep alpha and the costs of drafting current: once the pool (every request,
-        and the check's plain epochs) has decoded ``_EXPLORE_EVERY`` plain tokens
-        since its last drafting step. Counted for the pool, not per request: with
-        plain runs a short request takes few steps, and estimates that no request
-        refreshes could keep every later one plain."""
-        if self.plain_tokens < _EXPLORE_EVERY:
+        and the check's plain epochs) has decoded ``explore_tokens`` plain tokens per
+        request generating at once (``requests``) since its last drafting step.
+        Counted for the pool, not per request: with plain runs a short request takes
+        few steps, and estimates that no request refreshes could keep every later one
+        plain. Scaled by the load: each request explores about once per
+        ``explore_tokens`` of its own plain tokens at any load."""
+        every = self.explore_tokens * (max(1, requests) if self.explore_per_request else 1)
+        if every <= 0 or self.plain_tokens < every:
             return False
         self.plain_tokens = 0
         return True
@@ -590,6 +600,7 @@ class RequestPolicy:
     accepted: int = 0
     arm: str = "model"  # the PlainGuard arm of the last choice (adaptive requests)
     guard: PlainGuard | None = None  # the check for this step's load (None: off)
+    load: int = 1  # requests generating at once (the engine's ``load()``) at this step
 
     @property
     def alpha(self) -> float:
@@ -614,7 +625,7 @@ class RequestPolicy:
             return 0, False
         alpha = self.alpha
         gamma, overlap = self.model.choose(alpha, limit, self.overlap, run, self.greedy)
-        if gamma == 0 and limit > 0 and self.model.explore():
+        if gamma == 0 and limit > 0 and self.model.explore(self.load):
             # Keep alpha and the draft's costs current, with the draft that would be
             # chosen if drafting paid: the drafts it judges are the evidence.
             gamma, overlap = self.model.choose(alpha, limit, self.overlap, 1, self.greedy, False)

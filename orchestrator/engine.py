@@ -108,6 +108,8 @@ class Orchestrator:
             max_gamma=o.max_gamma,
             check_min_requests=o.adaptive_plain_check_min_requests,
             count_lead=o.adaptive_draft_lead,
+            explore_tokens=o.adaptive_explore_tokens,
+            explore_per_request=o.adaptive_explore_per_request,
         )
         self.monitor = ExactnessMonitor(o.monitor_fraction, o.monitor_window)
         for stage in ("propose", "verify", "rollback", "orchestrator"):
@@ -649,6 +651,7 @@ class Generation:
             while self.pushed < self.spec.max_new_tokens:
                 began = time.perf_counter()
                 charge(began)
+                self.policy.load = self.orch.load()
                 if checked:
                     self.policy.guard = cost.guard(self.policy.greedy, self.orch.load())
                 new = await self.step()

@@ -144,6 +144,12 @@ class OrchestratorConfig:
     # echo (draft_on) that comes after its propose: the rest was drafted during the
     # hops back. False: every block's whole drafting time counts (before 2026-12-02).
     adaptive_draft_lead: bool = True
+    # While plain decoding wins, an adaptive step drafts anyway once the pool has
+    # decoded this many plain tokens per request generating at once (0: never), so
+    # that acceptance and drafting costs stay measured. False: this many of the whole
+    # pool (before 2026-12-02; under heavy load one step in eight drafted).
+    adaptive_explore_tokens: int = 64
+    adaptive_explore_per_request: bool = True
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so
@@ -288,6 +294,7 @@ _NON_NEGATIVE = {
     "gamma",
     "relay_max_requests",
     "wire_top_k",
+    "adaptive_explore_tokens",
     "max_queued_requests",
     "max_stop_sequences",
     "grace_period_s",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.adaptive import CostModel, PeakLoad, PlainGuard, RequestPolicy, load_bucket
 from specdec.sampling import expected_tokens_per_step
 
@@ -395,6 +397,25 @@ def test_a_few_unlucky_steps_do_not_pull_the_pool_to_plain_decoding():
         m.observe_acceptance(judged, accepted, greedy=True)
     assert 0.65 < m.pool_alpha(True).value < 0.7
     assert m.pool_alpha(False).value == 0.7  # sampled requests keep their own
+
+
+@pytest.mark.parametrize("per_request, want", [(True, (1, 3)), (False, (10, 14))])
+def test_under_load_each_request_explores_about_once_per_64_of_its_plain_tokens(per_request, want):
+    """8 requests at once, each decoding 96 plain tokens in runs of 8. Once per 64
+    plain tokens of the pool (the old rule) drafts one step in eight of every
+    request, at any load: where plain decoding wins under load, an eighth of the
+    steps speculate and their rejected tokens cost every session's shared pass.
+    Per request generating at once, about once per 64 of each one's tokens."""
+    m = model(target_a=0.001, draft=0.05)  # drafting far too slow: the model goes plain
+    m.explore_per_request = per_request
+    policies = [RequestPolicy(m, gamma=None, overlap=False, load=8) for _ in range(8)]
+    drafted = 0
+    for _ in range(12):  # steps
+        for policy in policies:
+            gamma, _ = policy.choose(8, run=8)
+            drafted += gamma > 0
+            m.observe_step(gamma, False, policy.alpha, 0.01, run=1 if gamma else 8)
+    assert want[0] <= drafted <= want[1], drafted
 
 
 def test_an_exploring_step_drafts_what_the_model_would_if_drafting_paid():
