@@ -33,6 +33,7 @@ from orchestrator.step import ahead as ahead_cursor
 from specdec import metrics
 from specdec.config import MAX_GAMMA
 from specdec.errors import require
+from specdec.hidden_q import hidden_position
 from specdec.model_service import ModelService
 from specdec.rng import generator
 from specdec.runtime.forward_loop import Job
@@ -124,15 +125,20 @@ class Drafter(ModelService):
         tokens: list[int] = []
         qs: list[SparseQ] = []
         forward_s = batch_tokens = 0.0
+        # The hidden-state wire (specdec.hidden_q): q derived from the last hidden state.
+        hidden = [] if shape.hidden and rng is not None and self.head is not None else None
         for i in range(gamma):
             if limit is not None and i >= limit[0]:
                 break
-            logits = yield Feed(session.kv, feed, 1)  # [1, vocab]
+            logits = yield Feed(session.kv, feed, 1, hidden)  # [1, vocab]
             forward_s += self.loop.last_batch.seconds
             batch_tokens += self.loop.last_batch.tokens
-            x, q = draft_position(
-                logits[0], session.params, shape.max_entries, shape.eps, shape.bits, rng
-            )
+            if hidden is not None:
+                x, q = hidden_position(self.head, hidden.pop()[0], session.params, rng)
+            else:
+                x, q = draft_position(
+                    logits[0], session.params, shape.max_entries, shape.eps, shape.bits, rng
+                )
             tokens.append(x)
             qs.append(q)
             feed = [x]

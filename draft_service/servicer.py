@@ -44,7 +44,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             yield reply
 
     async def _open(self, m: common_pb2.OpenSession):
-        shape = WireShape(m.wire_top_k, float(m.wire_eps), m.wire_bits or DEFAULT_Q_BITS)
+        shape = WireShape(
+            m.wire_top_k, float(m.wire_eps), m.wire_bits or DEFAULT_Q_BITS, m.wire_hidden
+        )
         session = await self.svc.open_draft(m.session_id, m.tokens, params_from_pb(m.params), shape)
         return session, draft_pb2.DraftReply(
             opened=common_pb2.SessionOpened(cache_len=session.length)

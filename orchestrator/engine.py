@@ -183,6 +183,18 @@ class Orchestrator:
             except Exception:  # never let a resolver hiccup stop the service
                 log.exception("refreshing replicas failed")
 
+    def hidden_wire(self) -> bool:
+        """Whether sampled q can go as hidden states (``specdec.hidden_q``): the draft
+        serves its output layer's codes and the target holds the same layer."""
+        d, t = self.draft_info, self.target_info
+        return bool(
+            self.cfg.orchestrator.wire_hidden
+            and d is not None
+            and t is not None
+            and d.head_fingerprint
+            and d.head_fingerprint == t.head_fingerprint
+        )
+
     def update_speculation_gauge(self) -> None:
         metrics.SPECULATION_ENABLED.set(1 if self.draft_pool.any_usable() else 0)
 
@@ -358,7 +370,12 @@ class Generation:
         self.draft: DraftLink | None = None
         if spec.max_gamma > 0 and spec.max_new_tokens > 1:
             wire_k = 0 if spec.dense else o.wire_top_k
-            shape = WireShape(wire_k, 0.0 if spec.dense else o.wire_eps, 30 if spec.dense else 16)
+            shape = WireShape(
+                wire_k,
+                0.0 if spec.dense else o.wire_eps,
+                30 if spec.dense else 16,
+                hidden=not spec.dense and not spec.params.greedy and orch.hidden_wire(),
+            )
             self.draft = DraftLink(
                 orch.draft_pool,
                 *common,

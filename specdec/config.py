@@ -107,6 +107,14 @@ class ModelServiceConfig:
     # (specdec/transport/relay.py).
     relay_tls: TlsConfig = field(default_factory=TlsConfig)
     relay_send_timeout_s: float = 0.1
+    # The hidden-state wire (specdec/hidden_q.py): at temperature > 0 the draft sends
+    # its last hidden state (head dimension + 5 bytes per drafted token, at any
+    # vocabulary size) instead of q's list, and the target derives q from it with
+    # the draft's output layer. Draft: hold a quantized copy of its own output layer
+    # (hidden_q: true). Target: the draft checkpoint whose output layer it holds
+    # (draft_head: its directory). Used only where the two layers' fingerprints match.
+    hidden_q: bool = False
+    draft_head: str = ""
 
 
 @dataclass
@@ -150,6 +158,10 @@ class OrchestratorConfig:
     # pool (before 2026-12-02; under heavy load one step in eight drafted).
     adaptive_explore_tokens: int = 64
     adaptive_explore_per_request: bool = True
+    # At temperature > 0, send q as the draft's hidden states where the draft and
+    # the target hold the same draft output layer (draft.hidden_q, target.draft_head);
+    # false: always as lists (wire_top_k).
+    wire_hidden: bool = True
     # A plain step (no draft: gamma 0, the draft down, or adaptive chose plain)
     # lets the target draw up to this many tokens in a row, one pass each, saving
     # a round trip per token; at most one more than the request has emitted so

@@ -13,10 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
+
 import specdec
 from specdec import metrics
 from specdec.config import ModelServiceConfig
-from specdec.errors import FailedPrecondition, Unavailable, require
+from specdec.errors import FailedPrecondition, Unavailable, Unsupported, require
+from specdec.hidden_q import QuantHead
 from specdec.runtime import packed_linear
 from specdec.runtime.forward_loop import BatchStats, ForwardLoop, Job
 from specdec.runtime.loading import (
@@ -62,6 +65,7 @@ class ModelService:
         self.max_context = min(cfg.max_context, position_limit(self.model) or cfg.max_context)
         self.runner = RaggedRunner(self.model, lean=cfg.lean_forward)
         self.vocab_size = self.runner.vocab_size
+        self.head = self._quant_head()  # before packing replaces the output layer
         self.packed_min_rows = self._pack_linears()
         self.sessions = SessionStore(self.role, cfg.max_sessions)
         self._by_kind: dict = {}  # forward-kind -> its metric children, looked up once
@@ -87,6 +91,7 @@ class ModelService:
             model_fingerprint=model_fingerprint(cfg.model, self.model, cfg.dtype),
             server_version=specdec.__version__,
             protocol_version=PROTOCOL_VERSION,
+            head_fingerprint=self.head.fingerprint if self.head is not None else "",
         )
         metrics.BUILD_INFO.labels(self.role).info(
             {
@@ -103,6 +108,32 @@ class ModelService:
         metrics.ROLLBACKS.labels(self.role)
         metrics.ROLLED_BACK_TOKENS.labels(self.role)
         metrics.SESSION_EVICTIONS.labels(self.role, "ttl")
+
+    def _quant_head(self) -> QuantHead | None:
+        """The draft output layer of the hidden-state wire (``specdec.hidden_q``): a
+        draft's own with ``hidden_q``, a target's from ``draft_head``. Read from the
+        checkpoint in float32 on the CPU, so that both sides quantize the same
+        numbers whatever dtype and device they serve in."""
+        cfg = self.cfg
+        path = cfg.draft_head if self.role == "target" else cfg.model if cfg.hidden_q else ""
+        if not path:
+            return None
+        same = path == cfg.model and self._float32_on_cpu()
+        model = self.model if same else load_model(path, trust_remote_code=cfg.trust_remote_code)
+        head = QuantHead.of_model(model)
+        if head is None:
+            field = "draft_head" if self.role == "target" else "hidden_q"
+            raise Unsupported(
+                f"{self.role}.{field}: {path} has no plain linear output layer (a bias, a "
+                "logit soft-cap or scaling); the hidden-state wire cannot derive its q"
+            )
+        log.info("%s: hidden-state wire head %s (%d x %d)", self.role, head.fingerprint[:12],
+                 head.vocab, head.dim)  # fmt: skip
+        return head
+
+    def _float32_on_cpu(self) -> bool:
+        p = next(self.model.parameters())
+        return p.dtype == torch.float32 and p.device.type == "cpu"
 
     def _pack_linears(self) -> int | None:
         """On the CPU, multiply with weights packed for oneDNN from the pass size where

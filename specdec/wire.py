@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specdec.errors import InvalidArgument, require
+from specdec.hidden_q import HiddenQ, QuantHead, derive_q
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import Proposal, SamplingParams, SparseQ
 from specdec.v1 import common_pb2
@@ -71,6 +72,7 @@ class WireShape:
     max_entries: int = 1024  # most tokens listed (0: no limit)
     eps: float = 0.0  # mass that may go to the tail instead of the list
     bits: int = DEFAULT_Q_BITS  # counts are out of 2^bits
+    hidden: bool = False  # sampled q sent as hidden states (specdec.hidden_q) instead
 
     def check(self) -> WireShape:
         require(self.max_entries >= 0, "wire_top_k", f"must be >= 0, got {self.max_entries}")
@@ -102,9 +104,16 @@ def _from_bytes(field: str, data: bytes, escapes: Sequence[int]) -> np.ndarray:
 
 
 def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
-    """q_1..q_gamma on the wire (see PackedQ in common.proto)."""
+    """q_1..q_gamma on the wire (see PackedQ in common.proto): as hidden-state codes
+    when every q was derived from one (``HiddenQ``), else as lists."""
     if not qs:
         return common_pb2.PackedQ(bits=DEFAULT_Q_BITS)
+    if all(isinstance(q, HiddenQ) for q in qs):
+        return common_pb2.PackedQ(
+            hidden_codes=b"".join(q.code.tobytes() for q in qs),
+            hidden_scales=[q.code_scale for q in qs],
+            bits=qs[0].bits,
+        )
     bits = qs[0].bits
     if any(q.bits != bits for q in qs):
         raise ValueError("every q of one draft is quantized to the same bits")
@@ -139,14 +148,22 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
 
 
 def unpack_q(
-    pb: common_pb2.PackedQ, vocab: int, drafts: Sequence[int], field: str = "draft_q"
+    pb: common_pb2.PackedQ,
+    vocab: int,
+    drafts: Sequence[int],
+    field: str = "draft_q",
+    head: QuantHead | None = None,
+    params: SamplingParams | None = None,
 ) -> list[SparseQ]:
     """The proposals of a draft, validated against the drafted tokens.
 
     Each must be a distribution over [0, vocab) with distinct ids and positive
     counts summing with its tail to 2^bits, and must give its drafted token a
-    positive probability (it was drawn from it).
+    positive probability (it was drawn from it). Hidden-state codes are derived
+    into q with ``head`` under the session's ``params`` (``specdec.hidden_q``).
     """
+    if pb.hidden_codes or pb.hidden_scales:
+        return _unpack_hidden(pb, vocab, drafts, field, head, params)
     gamma = len(drafts)
     require(
         len(pb.sizes) == gamma and len(pb.tails) == gamma,
@@ -224,6 +241,47 @@ def unpack_q(
     ]
 
 
+def _unpack_hidden(pb, vocab, drafts, field, head, params) -> list[SparseQ]:
+    gamma = len(drafts)
+    require(
+        head is not None and params is not None and not params.greedy,
+        f"{field}.hidden_codes",
+        "this target holds no draft output layer (target config draft_head), or the "
+        "session is greedy: send q as lists",
+    )
+    require(
+        head.vocab == vocab,
+        f"{field}.hidden_codes",
+        f"the draft head's vocabulary ({head.vocab}) is not the target's ({vocab})",
+    )
+    require(
+        len(pb.hidden_scales) == gamma,
+        f"{field}.hidden_scales",
+        f"needs one scale per drafted token ({gamma}), got {len(pb.hidden_scales)}",
+    )
+    require(
+        len(pb.hidden_codes) == gamma * head.dim,
+        f"{field}.hidden_codes",
+        f"needs {head.dim} bytes per drafted token ({gamma * head.dim}), "
+        f"got {len(pb.hidden_codes)}",
+    )
+    scales = np.asarray(pb.hidden_scales, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(scales) | (scales <= 0))
+    if bad.size:
+        raise InvalidArgument(f"{field}.hidden_scales[{int(bad[0])}]", "must be finite and > 0")
+    codes = np.frombuffer(pb.hidden_codes, dtype=np.int8).reshape(gamma, head.dim)
+    if gamma == 0:
+        return []
+    require((codes != -128).all(), f"{field}.hidden_codes", "codes must be in [-127, 127]")
+    qs = derive_q(head, codes, scales.astype(np.float64), params)
+    for i, (q, x) in enumerate(zip(qs, drafts, strict=True)):
+        if q.prob(int(x)) <= 0:
+            raise InvalidArgument(
+                f"{field}[{i}]", f"drafted token {x} has q = 0; it cannot have been drawn"
+            )
+    return qs
+
+
 def drop_first_q(pb: common_pb2.PackedQ) -> common_pb2.PackedQ:
     """The same q_2..q_gamma without q_1, still in wire form (no re-encoding).
 
@@ -231,6 +289,11 @@ def drop_first_q(pb: common_pb2.PackedQ) -> common_pb2.PackedQ:
     appearance, so the first position is its first ``sizes[0]`` bytes of each
     byte string and as many escapes as those bytes hold 255s. A packing with no
     position is passed on as it is: the target refuses it, naming the field."""
+    if pb.hidden_scales:
+        dim = len(pb.hidden_codes) // len(pb.hidden_scales)
+        return common_pb2.PackedQ(
+            hidden_codes=pb.hidden_codes[dim:], hidden_scales=pb.hidden_scales[1:], bits=pb.bits
+        )
     if not pb.sizes:
         return pb
     n = pb.sizes[0]
@@ -272,6 +335,7 @@ def info_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
         model_fingerprint=info.model_fingerprint,
         server_version=info.server_version,
         protocol_version=info.protocol_version,
+        head_fingerprint=info.head_fingerprint,
     )
 
 
@@ -289,4 +353,5 @@ def info_from_pb(pb: common_pb2.ModelInfo) -> ModelInfo:
         model_fingerprint=pb.model_fingerprint,
         server_version=pb.server_version,
         protocol_version=pb.protocol_version,
+        head_fingerprint=pb.head_fingerprint,
     )

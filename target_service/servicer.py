@@ -76,7 +76,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             pending, drafts = self.svc.check_verify(
                 session, v.cache_len, v.pending_tokens, v.draft_tokens
             )
-            qs = unpack_q(v.draft_q, self.svc.vocab_size, drafts)
+            qs = unpack_q(
+                v.draft_q, self.svc.vocab_size, drafts, head=self.svc.head, params=session.params
+            )
             tracing.mark("unpacked")
             verdict = await self.svc.verify(
                 session,

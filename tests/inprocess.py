@@ -20,10 +20,23 @@ from target_service.verifier import Verifier
 class InProcess:
     """Draft and target services and an orchestrator sharing one event loop."""
 
-    def __init__(self, draft_dir: Path | None, target_dir: Path, **orchestrator) -> None:
+    def __init__(
+        self,
+        draft_dir: Path | None,
+        target_dir: Path,
+        draft: dict | None = None,
+        target: dict | None = None,
+        **orchestrator,
+    ) -> None:
+        """``draft``, ``target``: settings of the model services; the rest are the
+        orchestrator's."""
         self.cfg = Config(
-            draft=ModelServiceConfig(model=str(draft_dir or target_dir), max_batch_tokens=512),
-            target=ModelServiceConfig(model=str(target_dir), max_batch_tokens=512),
+            draft=ModelServiceConfig(
+                model=str(draft_dir or target_dir), max_batch_tokens=512, **(draft or {})
+            ),
+            target=ModelServiceConfig(
+                model=str(target_dir), max_batch_tokens=512, **(target or {})
+            ),
         )
         self.cfg.orchestrator.draft_timeout_s = 30.0  # a shared CI machine can be slow
         for key, value in orchestrator.items():

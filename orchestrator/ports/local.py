@@ -83,7 +83,13 @@ class LocalTargetSession:
         if proposal is not None:
             qs = proposal.qs
             if qs is None:  # only the wire form is at hand
-                qs = unpack_q(proposal.packed, self.svc.vocab_size, drafts)
+                qs = unpack_q(
+                    proposal.packed,
+                    self.svc.vocab_size,
+                    drafts,
+                    head=self.svc.head,
+                    params=self.session.params,
+                )
         async with _deadline("target", timeout):
             return await self.svc.verify(
                 self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p, pit, run

@@ -251,6 +251,7 @@ class RemoteDraft(_RemotePort):
                 wire_top_k=shape.max_entries,
                 wire_eps=shape.eps,
                 wire_bits=shape.bits,
+                wire_hidden=shape.hidden,
             )
         )
         return RemoteDraftSession((await self._open(req, timeout, counter))[0])

@@ -217,7 +217,8 @@ class ForwardLoop:
         )
         for (p, feed), out in zip(batch, logits, strict=True):
             if feed is not p.feed:  # a chunk: the remainder stays queued
-                p.feed = Feed(p.feed.kv, p.feed.tokens[len(feed.tokens) :], p.feed.logits)
+                rest = p.feed.tokens[len(feed.tokens) :]
+                p.feed = Feed(p.feed.kv, rest, p.feed.logits, p.feed.hidden_out)
                 continue
             try:
                 p.feed = p.job.send(out)

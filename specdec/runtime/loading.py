@@ -40,6 +40,7 @@ class ModelInfo:
     model_fingerprint: str
     server_version: str
     protocol_version: int
+    head_fingerprint: str = ""  # a quantized draft output layer's (specdec.hidden_q)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

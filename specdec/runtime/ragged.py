@@ -254,6 +254,9 @@ class Feed:
     kv: SessionKV
     tokens: list[int]
     logits: int = 1
+    # Where to append the output layer's input at the kept positions, [logits, d]
+    # (the last hidden states: ``specdec.hidden_q``); None: not wanted.
+    hidden_out: list | None = None
 
 
 def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -407,6 +410,12 @@ class RaggedRunner:
         for d, ours in self._switch:
             d["_attn_implementation_internal"] = ours
         kept = torch.tensor(keep, dtype=torch.long, device=dev)
+        captured: list[torch.Tensor] = []
+        hook = None
+        if any(f.hidden_out is not None for f in feeds):  # the output layer's input
+            hook = self.model.get_output_embeddings().register_forward_pre_hook(
+                lambda _module, args: captured.append(args[0])
+            )
         try:
             if self.lean:
                 logits = self._lean_forward(ids, pos, RaggedBatch(segments), kept)
@@ -421,8 +430,15 @@ class RaggedRunner:
         finally:
             for d, theirs in self._restore:
                 d["_attn_implementation_internal"] = theirs
+            if hook is not None:
+                hook.remove()
         for s in segments:
             s.kv.length = s.past + s.new
+        if hook is not None:
+            hidden = captured[-1][0].split([f.logits for f in feeds])  # each [logits, d]
+            for f, h in zip(feeds, hidden, strict=True):
+                if f.hidden_out is not None:
+                    f.hidden_out.append(h)
         logits = logits[0]  # [sum of feeds' logits, vocab]
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()

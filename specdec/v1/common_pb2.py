@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"\x83\x01\n\x07PackedQ\x12\r\n\x05sizes\x18\x01 \x03(\r\x12\x11\n\tid_deltas\x18\x02 \x01(\x0c\x12\x12\n\nid_escapes\x18\x03 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x04 \x01(\x0c\x12\x15\n\rcount_escapes\x18\x05 \x03(\r\x12\r\n\x05tails\x18\x06 \x03(\r\x12\x0c\n\x04\x62its\x18\x07 \x01(\r\"\x94\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x16\n\x0eserver_version\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x0c \x01(\t\"\r\n\x0bInfoRequest\"\x96\x01\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nwire_top_k\x18\x04 \x01(\x05\x12\x10\n\x08wire_eps\x18\x05 \x01(\x02\x12\x11\n\twire_bits\x18\x06 \x01(\x05\"7\n\rSessionOpened\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x13\n\x0brelay_token\x18\x02 \x01(\x0c\"\x1d\n\x08Rollback\x12\x11\n\tcache_len\x18\x01 \x01(\x05\"0\n\nRolledBack\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x0f\n\x07removed\x18\x02 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"\xb0\x01\n\x07PackedQ\x12\r\n\x05sizes\x18\x01 \x03(\r\x12\x11\n\tid_deltas\x18\x02 \x01(\x0c\x12\x12\n\nid_escapes\x18\x03 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x04 \x01(\x0c\x12\x15\n\rcount_escapes\x18\x05 \x03(\r\x12\r\n\x05tails\x18\x06 \x03(\r\x12\x0c\n\x04\x62its\x18\x07 \x01(\r\x12\x14\n\x0chidden_codes\x18\x08 \x01(\x0c\x12\x15\n\rhidden_scales\x18\t \x03(\x02\"\xae\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x16\n\x0eserver_version\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x0c \x01(\t\x12\x18\n\x10head_fingerprint\x18\r \x01(\t\"\r\n\x0bInfoRequest\"\xab\x01\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nwire_top_k\x18\x04 \x01(\x05\x12\x10\n\x08wire_eps\x18\x05 \x01(\x02\x12\x11\n\twire_bits\x18\x06 \x01(\x05\x12\x13\n\x0bwire_hidden\x18\x07 \x01(\x08\"7\n\rSessionOpened\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x13\n\x0brelay_token\x18\x02 \x01(\x0c\"\x1d\n\x08Rollback\x12\x11\n\tcache_len\x18\x01 \x01(\x05\"0\n\nRolledBack\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x0f\n\x07removed\x18\x02 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=39
   _globals['_SAMPLINGPARAMS']._serialized_end=106
   _globals['_PACKEDQ']._serialized_start=109
-  _globals['_PACKEDQ']._serialized_end=240
-  _globals['_MODELINFO']._serialized_start=243
-  _globals['_MODELINFO']._serialized_end=519
-  _globals['_INFOREQUEST']._serialized_start=521
-  _globals['_INFOREQUEST']._serialized_end=534
-  _globals['_OPENSESSION']._serialized_start=537
-  _globals['_OPENSESSION']._serialized_end=687
-  _globals['_SESSIONOPENED']._serialized_start=689
-  _globals['_SESSIONOPENED']._serialized_end=744
-  _globals['_ROLLBACK']._serialized_start=746
-  _globals['_ROLLBACK']._serialized_end=775
-  _globals['_ROLLEDBACK']._serialized_start=777
-  _globals['_ROLLEDBACK']._serialized_end=825
+  _globals['_PACKEDQ']._serialized_end=285
+  _globals['_MODELINFO']._serialized_start=288
+  _globals['_MODELINFO']._serialized_end=590
+  _globals['_INFOREQUEST']._serialized_start=592
+  _globals['_INFOREQUEST']._serialized_end=605
+  _globals['_OPENSESSION']._serialized_start=608
+  _globals['_OPENSESSION']._serialized_end=779
+  _globals['_SESSIONOPENED']._serialized_start=781
+  _globals['_SESSIONOPENED']._serialized_end=836
+  _globals['_ROLLBACK']._serialized_start=838
+  _globals['_ROLLBACK']._serialized_end=867
+  _globals['_ROLLEDBACK']._serialized_start=869
+  _globals['_ROLLEDBACK']._serialized_end=917
 # @@protoc_insertion_point(module_scope)

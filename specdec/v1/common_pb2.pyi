@@ -17,7 +17,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class PackedQ(_message.Message):
-    __slots__ = ("sizes", "id_deltas", "id_escapes", "counts", "count_escapes", "tails", "bits")
+    __slots__ = ("sizes", "id_deltas", "id_escapes", "counts", "count_escapes", "tails", "bits", "hidden_codes", "hidden_scales")
     SIZES_FIELD_NUMBER: _ClassVar[int]
     ID_DELTAS_FIELD_NUMBER: _ClassVar[int]
     ID_ESCAPES_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class PackedQ(_message.Message):
     COUNT_ESCAPES_FIELD_NUMBER: _ClassVar[int]
     TAILS_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_CODES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SCALES_FIELD_NUMBER: _ClassVar[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     id_deltas: bytes
     id_escapes: _containers.RepeatedScalarFieldContainer[int]
@@ -32,10 +34,12 @@ class PackedQ(_message.Message):
     count_escapes: _containers.RepeatedScalarFieldContainer[int]
     tails: _containers.RepeatedScalarFieldContainer[int]
     bits: int
-    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., id_deltas: _Optional[bytes] = ..., id_escapes: _Optional[_Iterable[int]] = ..., counts: _Optional[bytes] = ..., count_escapes: _Optional[_Iterable[int]] = ..., tails: _Optional[_Iterable[int]] = ..., bits: _Optional[int] = ...) -> None: ...
+    hidden_codes: bytes
+    hidden_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., id_deltas: _Optional[bytes] = ..., id_escapes: _Optional[_Iterable[int]] = ..., counts: _Optional[bytes] = ..., count_escapes: _Optional[_Iterable[int]] = ..., tails: _Optional[_Iterable[int]] = ..., bits: _Optional[int] = ..., hidden_codes: _Optional[bytes] = ..., hidden_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "dtype", "device", "architecture", "eos_token_id", "max_context", "server_version", "protocol_version", "eos_token_ids", "model_fingerprint")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "dtype", "device", "architecture", "eos_token_id", "max_context", "server_version", "protocol_version", "eos_token_ids", "model_fingerprint", "head_fingerprint")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +52,7 @@ class ModelInfo(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -60,27 +65,30 @@ class ModelInfo(_message.Message):
     protocol_version: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     model_fingerprint: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    head_fingerprint: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_fingerprint: _Optional[str] = ..., head_fingerprint: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "tokens", "params", "wire_top_k", "wire_eps", "wire_bits")
+    __slots__ = ("session_id", "tokens", "params", "wire_top_k", "wire_eps", "wire_bits", "wire_hidden")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     WIRE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     WIRE_EPS_FIELD_NUMBER: _ClassVar[int]
     WIRE_BITS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     wire_top_k: int
     wire_eps: float
     wire_bits: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., wire_eps: _Optional[float] = ..., wire_bits: _Optional[int] = ...) -> None: ...
+    wire_hidden: bool
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., wire_eps: _Optional[float] = ..., wire_bits: _Optional[int] = ..., wire_hidden: _Optional[bool] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("cache_len", "relay_token")

@@ -1,0 +1,181 @@
+"""q sent as the draft's last hidden state: a few hundred bytes per position at
+any vocabulary size, with the q each side derives from it equal bit for bit.
+
+The draft's logits are its output layer applied to its last hidden state h:
+z = W h. When the target holds the same output layer, the draft can send h
+instead of q, and the target computes q itself. Exactness needs both sides to
+derive the *same* q, to the last bit, on any hardware. So neither side uses
+the draft's float logits; both derive q from quantized values in integer and
+correctly rounded float64 arithmetic, and the draft samples from exactly that q
+(as with the list wire, the packing costs acceptance, never exactness):
+
+* W is quantized per row to int8 codes with a float64 scale (``QuantHead``), from
+  the checkpoint's float32 weights; both sides compute its ``fingerprint`` and
+  the orchestrator uses this wire only when the two are equal.
+* h is quantized to int8 codes with one float32 scale (``encode_hidden``): d
+  bytes and 4 on the wire.
+* The code dot products are integers below 127 * 127 * d < 2^24 for d <= 1040,
+  so a float32 matrix product computes them exactly in any order (float64 above
+  that). z = dot * w_scale * h_scale, then / temperature: single IEEE operations.
+* exp is not correctly rounded everywhere, so none is used: z is rounded to a
+  grid of 1/16 nat below the row's maximum, and each grid step's weight comes
+  from a table built with integer arithmetic only (``_TABLE``: 2^40 e^(-j/16)).
+* top-k and top-p act on those integer weights (ties by token id); the weights
+  are scaled to counts out of 2^30 in float64 (the leftover to the first
+  maximum), and the result is a ``SparseQ`` like any other.
+
+On the demo pair this lost 0.0001 of alpha against the draft's own float q (at
+164 bytes per position), where the 1024-token list loses 0.008 at 2,051 bytes.
+Not for: the wire format (``specdec.wire``) or drafting (``draft_service``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.errors import NonFiniteLogits
+from specdec.sampling import SamplingParams, SparseQ
+
+BITS = 30  # counts of a derived q are out of 2^30
+_GRID = 16  # logit grid steps per nat
+_RATIO = 1032895585848  # round(2^40 * exp(-1/16)): one grid step down, in 2^-40
+_EXACT_F32_DIM = 1040  # 127 * 127 * 1040 < 2^24: float32 sums of code products are exact
+
+
+def _table() -> np.ndarray:
+    """_TABLE[j] = 2^40 e^(-j/16), rounded down step by step in integers (identical on
+    every machine), until it reaches 0."""
+    values = [1 << 40]
+    while values[-1] > 0:
+        values.append((values[-1] * _RATIO) >> 40)
+    return np.array(values, dtype=np.int64)
+
+
+_TABLE = _table()  # [409]; weights below e^-25.5 of the maximum are 0
+
+
+def _quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row int8 codes and float64 scales of a float64 array [rows, d]."""
+    peak = np.abs(x).max(axis=-1)  # [rows]
+    scales = np.where(peak > 0, peak / 127.0, 1.0)
+    codes = np.clip(np.rint(x / scales[:, None]), -127, 127)
+    return codes, scales
+
+
+@dataclass(frozen=True)
+class QuantHead:
+    """The draft's output layer, quantized the same way on both sides."""
+
+    codes: np.ndarray  # [vocab, d] float32 or float64 holding int8 values
+    scales: np.ndarray  # [vocab] float64
+    fingerprint: str  # SHA-256 over codes and scales
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> QuantHead:
+        """weight: [vocab, d], the output layer's matrix (no bias)."""
+        w = weight.detach().to("cpu", torch.float32).numpy().astype(np.float64)
+        codes, scales = _quantize_rows(w)
+        digest = hashlib.sha256()
+        digest.update(codes.astype(np.int8).tobytes())
+        digest.update(scales.astype("<f8").tobytes())
+        dtype = np.float32 if w.shape[1] <= _EXACT_F32_DIM else np.float64
+        return cls(codes.astype(dtype), scales, digest.hexdigest())
+
+    @classmethod
+    def of_model(cls, model) -> QuantHead | None:
+        """The head of a causal LM whose logits are a plain linear map of its last
+        hidden state, or None (a bias, a final soft-cap or logit scaling: the list wire
+        serves those)."""
+        head = model.get_output_embeddings()
+        cfg = model.config
+        plain = isinstance(head, torch.nn.Linear) and head.bias is None
+        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            plain = plain and getattr(cfg, name, None) in (None, 1, 1.0)
+        return cls.from_weight(head.weight) if plain else None
+
+    @property
+    def vocab(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.codes.shape[1]
+
+
+def encode_hidden(h: torch.Tensor) -> tuple[np.ndarray, float]:
+    """int8 codes [d] and a float32 scale for one hidden state h: [d]."""
+    x = h.detach().to("cpu", torch.float64).numpy()
+    peak = float(np.abs(x).max()) if x.size else 0.0
+    if not np.isfinite(peak):
+        raise NonFiniteLogits("the model's hidden state is not finite")
+    scale = float(np.float32(peak / 127.0)) if peak > 0 else 1.0  # as the wire carries it
+    codes = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
+    return codes, scale
+
+
+@dataclass(frozen=True)
+class HiddenQ(SparseQ):
+    """A q derived from a hidden state, with the codes it was derived from (what the
+    wire carries instead of its counts)."""
+
+    code: np.ndarray | None = None  # [d] int8
+    code_scale: float = 1.0
+
+
+def hidden_position(
+    head: QuantHead, h: torch.Tensor, params: SamplingParams, rng: np.random.Generator
+) -> tuple[int, HiddenQ]:
+    """One drafted position from the draft's last hidden state h: [d]. x is drawn from
+    exactly the q the target will derive from the codes (the counterpart of
+    ``sampling.draft_position``; sampled requests only)."""
+    code, scale = encode_hidden(h)
+    q = derive_q(head, code[None, :], np.array([scale]), params)[0]
+    q = HiddenQ(q.ids, q.counts, q.tail, q.vocab, q.bits, code, scale)
+    return q.sample(rng), q
+
+
+def derive_q(
+    head: QuantHead, codes: np.ndarray, scales: np.ndarray, params: SamplingParams
+) -> list[SparseQ]:
+    """The q of each position from its hidden-state codes, identical on every machine.
+
+    codes: [n, d] int8; scales: [n] (float32 values). Not for greedy requests (their
+    q is a point: ``SparseQ.point``)."""
+    n = codes.shape[0]
+    acc = codes.astype(head.codes.dtype) @ head.codes.T  # [n, vocab], exact integers
+    z = (acc.astype(np.float64) * head.scales[None, :]) * np.asarray(scales, np.float64)[:, None]
+    t = float(np.float32(params.temperature))
+    if t != 1.0:
+        z = z / t
+    steps = np.rint((z.max(axis=1, keepdims=True) - z) * _GRID)  # [n, vocab] >= 0
+    steps = np.minimum(steps, len(_TABLE) - 1).astype(np.int64)
+    weights = _TABLE[steps]  # [n, vocab] int64, the last table entry is 0
+    return [_to_q(weights[i], params) for i in range(n)]
+
+
+def _to_q(w: np.ndarray, params: SamplingParams) -> SparseQ:
+    """Counts out of 2^BITS from integer weights [vocab], after top-k and top-p."""
+    vocab = w.shape[0]
+    k = params.top_k
+    if (0 < k < vocab) or params.top_p < 1.0:
+        order = np.lexsort((np.arange(vocab), -w))  # largest first, ties by id
+        keep = vocab if not 0 < k < vocab else k
+        if params.top_p < 1.0:
+            mass = np.cumsum(w[order[:keep]])  # int64, exact
+            total = float(mass[-1])
+            # Keep through the first token whose cumulative mass reaches top_p.
+            reach = np.flatnonzero(mass.astype(np.float64) >= total * float(params.top_p))
+            keep = min(keep, int(reach[0]) + 1 if reach.size else keep)
+        cut = np.zeros(vocab, dtype=np.int64)
+        cut[order[:keep]] = w[order[:keep]]
+        w = cut
+    total = int(w.sum())
+    counts = np.floor(w.astype(np.float64) * (float(1 << BITS) / float(total))).astype(np.int64)
+    lead = int(np.argmax(w))
+    counts[lead] += (1 << BITS) - int(counts.sum())
+    ids = np.flatnonzero(counts)
+    return SparseQ(ids, counts[ids], 0, vocab, BITS)

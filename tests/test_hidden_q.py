@@ -1,0 +1,241 @@
+"""The hidden-state wire (``specdec.hidden_q``): q sent as the draft's last hidden
+state, derived into the same q bit for bit on both sides.
+
+* Unit: the draft's q (``hidden_position``) and the target's (``unpack_q`` with the
+  head) are equal in every id and count; each is a distribution honouring top-k and
+  top-p; the weight table uses no exp; a position costs head dimension + 5 bytes;
+  malformed codes are refused naming the field.
+* In process: greedy output is the target's own; sampled requests use the wire.
+* Through the gRPC services: sampled output has the target's distribution, and a
+  target that derives q differently from the draft (planted) fails the same test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.hidden_q import _TABLE, BITS, QuantHead, derive_q, encode_hidden, hidden_position
+from specdec.runtime.loading import load_model
+from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits
+from specdec.wire import pack_q, unpack_q
+
+from .inprocess import in_process
+from .stack import local_stack, planted_env
+from .stats import tv, tv_threshold
+from .test_statistical import PROMPT, N, sample
+
+VOCAB, DIM = 300, 24
+PARAMS = [
+    SamplingParams(1.0),
+    SamplingParams(0.6),
+    SamplingParams(1.3, top_k=7),
+    SamplingParams(0.9, top_p=0.8),
+    SamplingParams(1.0, top_k=40, top_p=0.5),
+]
+
+
+def _head(seed: int = 0) -> QuantHead:
+    g = torch.Generator().manual_seed(seed)
+    return QuantHead.from_weight(torch.randn(VOCAB, DIM, generator=g) * 0.3)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_both_sides_derive_the_same_q_bit_for_bit(params):
+    head, rng = _head(), np.random.default_rng(5)
+    hs = torch.randn(6, DIM, generator=torch.Generator().manual_seed(1)) * 4
+    drafted = [hidden_position(head, h, params, rng) for h in hs]
+    sent = pack_q([q for _, q in drafted])
+    got = unpack_q(sent, VOCAB, [x for x, _ in drafted], head=head, params=params)
+    for (_, want), have in zip(drafted, got, strict=True):
+        assert np.array_equal(want.ids, have.ids) and np.array_equal(want.counts, have.counts)
+        assert have.tail == 0 and have.bits == BITS and int(have.counts.sum()) == 1 << BITS
+    if params.top_k:
+        assert all(len(q.ids) <= params.top_k for q in got)
+
+
+def test_derived_q_follows_the_logits_closely_and_honours_top_p():
+    head = _head()
+    h = torch.randn(DIM, generator=torch.Generator().manual_seed(2)) * 4
+    code, scale = encode_hidden(h)
+    logits = torch.from_numpy(head.codes.astype(np.float64) @ (code * scale) * head.scales)
+    q = derive_q(head, code[None], np.array([scale]), SamplingParams(1.0))[0].dense()
+    want = torch.softmax(logits, -1)
+    assert float((q - want).abs().sum()) < 0.05  # the 1/16-nat grid moves each weight <= 3%
+    nucleus = derive_q(head, code[None], np.array([scale]), SamplingParams(1.0, top_p=0.5))[0]
+    kept = np.sort(want.numpy())[::-1].cumsum()
+    assert (
+        len(nucleus.ids) == int(np.searchsorted(kept, 0.5 - 0.03)) + 1
+        or abs(len(nucleus.ids) - (int(np.searchsorted(kept, 0.5)) + 1)) <= 1
+    )
+
+
+def test_the_weight_table_is_built_without_exp():
+    assert _TABLE[0] == 1 << 40 and _TABLE[-1] == 0 and (np.diff(_TABLE) <= 0).all()
+    for j in (1, 16, 80, 160):
+        assert _TABLE[j] / 2**40 == pytest.approx(math.exp(-j / 16), rel=1e-6)
+
+
+def test_a_position_costs_the_head_dimension_plus_a_few_bytes():
+    head, rng = _head(), np.random.default_rng(0)
+    hs = torch.randn(4, DIM, generator=torch.Generator().manual_seed(3))
+    qs = [hidden_position(head, h, SamplingParams(1.0), rng)[1] for h in hs]
+    assert len(pack_q(qs).SerializeToString()) <= 4 * (DIM + 5) + 8
+
+
+def _sent(gamma: int = 2):
+    head, rng = _head(), np.random.default_rng(1)
+    hs = torch.randn(gamma, DIM, generator=torch.Generator().manual_seed(4))
+    drafted = [hidden_position(head, h, SamplingParams(1.0), rng) for h in hs]
+    return head, pack_q([q for _, q in drafted]), [x for x, _ in drafted]
+
+
+@pytest.mark.parametrize(
+    "spoil, field",
+    [
+        (lambda pb, head: pb.hidden_scales.pop(), "draft_q.hidden_scales"),
+        (lambda pb, head: pb.hidden_scales.__setitem__(0, -1.0), "draft_q.hidden_scales[0]"),
+        (lambda pb, head: setattr(pb, "hidden_codes", pb.hidden_codes[1:]), "draft_q.hidden_codes"),
+        (lambda pb, head: setattr(pb, "hidden_codes", b"\x80" * len(pb.hidden_codes)),
+         "draft_q.hidden_codes"),
+    ],
+    ids=["scales", "negative scale", "codes", "code -128"],
+)  # fmt: skip
+def test_malformed_codes_are_refused_naming_the_field(spoil, field):
+    head, pb, drafts = _sent()
+    spoil(pb, head)
+    with pytest.raises(InvalidArgument) as e:
+        unpack_q(pb, VOCAB, drafts, head=head, params=SamplingParams(1.0))
+    assert e.value.field == field
+
+
+def test_a_target_without_the_head_refuses_codes_and_says_what_to_set():
+    _, pb, drafts = _sent()
+    with pytest.raises(InvalidArgument, match="draft_head"):
+        unpack_q(pb, VOCAB, drafts, head=None, params=SamplingParams(1.0))
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        unpack_q(pb, VOCAB, drafts, head=_head_of(VOCAB + 1), params=SamplingParams(1.0))
+
+
+def _head_of(vocab: int) -> QuantHead:
+    return QuantHead.from_weight(torch.randn(vocab, DIM))
+
+
+def _services(pair):
+    draft, _ = pair
+    return {"draft": {"hidden_q": True}, "target": {"draft_head": str(draft)}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_in_process_greedy_is_the_targets_own_and_sampling_uses_the_wire(llama_pair, temperature):
+    draft, target = llama_pair
+    fields = dict(prompt=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=16, gamma=3, seed=7)
+
+    kinds = []
+
+    async def scenario(**services):
+        async with in_process(draft, target, **services) as system:
+            assert system.orch.hidden_wire() == bool(services)
+            verify = system.verifier.verify
+
+            async def seen(session, cache_len, pending, drafts, qs, *args):
+                kinds.extend(type(q).__name__ for q in qs)
+                return await verify(session, cache_len, pending, drafts, qs, *args)
+
+            system.verifier.verify = seen
+            return await system.generate(temperature=temperature, **fields)
+
+    got, _, stats = asyncio.run(scenario(**_services(llama_pair)))
+    hidden, kinds[:] = set(kinds), []
+    listed, _, _ = asyncio.run(scenario())
+    assert len(got) == 16 and stats.drafted > 0 and stats.fallback_steps == 0
+    assert hidden == ({"SparseQ"} if temperature == 0.0 else {"HiddenQ"}) and set(kinds) == {
+        "SparseQ"
+    }
+    if temperature == 0.0:
+        ids = torch.tensor([fields["prompt"]])
+        want = load_model(str(target)).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16
+        )
+        assert got == listed == want[0, ids.shape[1] :].tolist()
+
+
+def _exact(pair, params: SamplingParams):
+    """(p1, p2 marginal, P(n)) as in test_statistical, with the q the draft derives
+    from its hidden states."""
+    draft_dir, target_dir = pair
+    target, draft = load_model(str(target_dir)), load_model(str(draft_dir))
+    head = QuantHead.of_model(draft)
+    vocab = target.config.vocab_size
+    seqs = torch.tensor([PROMPT + [x] for x in range(vocab)])  # [V, L+1]
+    with torch.no_grad():
+        tl = target(seqs).logits.float()  # [V, L+1, V]
+        hidden = draft(seqs, output_hidden_states=True).hidden_states[-1]  # [V, L+1, d]
+    p1 = probs_from_logits(tl[0, -2], params).double()
+    p2 = probs_from_logits(tl[:, -1], params).double()
+
+    def q_of(h):
+        code, scale = encode_hidden(h)
+        return derive_q(head, code[None], np.array([scale]), params)[0].dense()
+
+    q1 = q_of(hidden[0, -2])
+    q2 = torch.stack([q_of(hidden[x, -1]) for x in range(vocab)])
+    alpha1 = float(acceptance_rate(p1, q1))
+    p_n2 = float((torch.minimum(p1, q1) * acceptance_rate(p2, q2)).sum())
+    return p1, p1 @ p2, torch.tensor([1 - alpha1, alpha1 - p_n2, p_n2], dtype=torch.float64)
+
+
+def _check(stack, pair, params):
+    p1, p2, n_dist = _exact(pair, params)
+    x1, x2, n = sample(stack, params)
+    results = {
+        "position 1": (tv(x1, p1), tv_threshold(p1, N)),
+        "position 2": (tv(x2, p2), tv_threshold(p2, N)),
+        "accepted n": (tv(n, n_dist), tv_threshold(n_dist, N)),
+    }
+    print({k: f"tv {d:.4f} (threshold {t:.4f})" for k, (d, t) in results.items()})
+    return results
+
+
+def _hidden_stack(tmp_path, pair, env=None):
+    draft, target = pair
+    return local_stack(
+        tmp_path / "stack", draft, target, env=env, draft__hidden_q=True,
+        target__draft_head=str(draft),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0), SamplingParams(0.8, top_k=12, top_p=0.9)], ids=str
+)
+def test_sampled_tokens_follow_target_distribution_over_the_hidden_wire(
+    tmp_path, llama_pair, params
+):
+    with _hidden_stack(tmp_path, llama_pair) as stack:
+        results = _check(stack, llama_pair, params)
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+# The target derives q from the codes at twice their scale: a q the draft did not
+# sample from (the draft's own derivation is untouched).
+MISMATCHED_SITE = """
+import specdec.wire as w
+_derive = w.derive_q
+w.derive_q = lambda head, codes, scales, params: _derive(head, codes, scales * 2, params)
+"""
+
+
+@pytest.mark.slow
+def test_a_target_deriving_another_q_fails_the_same_test(tmp_path, llama_pair):
+    env = planted_env(tmp_path, MISMATCHED_SITE)
+    with _hidden_stack(tmp_path, llama_pair, env) as broken:
+        results = _check(broken, llama_pair, SamplingParams(1.0))
+    failed = [k for k, (d, t) in results.items() if d >= t]
+    assert failed, f"the mismatched derivation passed: {results}"
