@@ -579,6 +579,7 @@ def wire_section(stack, plan: Plan, gamma: int) -> dict:
     rotating), so that a slow spell of the machine does not favour one shape."""
     shapes = {f"top{k}": {"orchestrator.wire_top_k": k} for k in plan.wire_ks}
     shapes["top1024_eps0.01"] = {"orchestrator.wire_top_k": 1024, "orchestrator.wire_eps": 0.01}
+    shapes["hidden"] = {"orchestrator.wire_hidden": True}  # q as the draft's hidden states
     spec = {"temperature": 1.0, "gamma": gamma, "overlap": False}
     modes = {"spec": spec, "dense": {**spec, "dense": True}}
     clients, configs = {}, {}
@@ -609,33 +610,47 @@ def wire_section(stack, plan: Plan, gamma: int) -> dict:
 
 
 def large_vocab_wire(out: Path, plan: Plan, gamma: int) -> dict:
-    """Bytes per token at T=1 on a tiny random pair with Qwen2.5's 151,936-token vocabulary."""
+    """Bytes per token at T=1 on a tiny random pair with Qwen2.5's 151,936-token vocabulary:
+    q as lists (the default top-k) and as hidden states (``specdec.hidden_q``)."""
     sys.path.insert(0, str(REPO))
     from specdec.local.stack import local_stack
     from tests.tiny import build_large_vocab_pair
 
     rows = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="specdec-bench-vocab-") as models,
-        local_stack(
+    with tempfile.TemporaryDirectory(prefix="specdec-bench-vocab-") as models:
+        draft, target = build_large_vocab_pair(Path(models))
+        with local_stack(
             out / "large-vocab",
-            *build_large_vocab_pair(Path(models)),
+            draft,
+            target,
             log_dir=out / "logs" / "large-vocab",
-        ) as st,
-    ):
-        client = Client(st.orchestrator_address)
-        prompts = [[3, 1000, 70_000, 151_000, 42]]
-        for g in (1, gamma):
-            res = [
-                client.generate(prompts[0], plan.max_new_tokens, temperature=1.0, gamma=g, seed=s)
-                for s in range(3)
-            ]
-            tokens = sum(r["tokens"] for r in res)
-            rows[str(g)] = {
-                "wire_bytes_per_token": sum(r["wire_bytes"] for r in res) / tokens,
-                "alpha": sum(r["accepted"] for r in res) / max(1, sum(r["judged"] for r in res)),
-            }
-        client.close()
+            draft__hidden_q=True,
+            target__draft_head=str(draft),
+            orchestrator__wire_hidden=False,
+        ) as st:
+            hidden, _ = st.start_orchestrator(
+                "orchestrator-hidden",
+                st.address("draft"),
+                st.address("target"),
+                {"orchestrator.wire_hidden": True},
+            )
+            prompts = [[3, 1000, 70_000, 151_000, 42]]
+            for wire, address in (("", st.orchestrator_address), (" hidden", hidden)):
+                client = Client(address)
+                for g in (1, gamma):
+                    res = [
+                        client.generate(
+                            prompts[0], plan.max_new_tokens, temperature=1.0, gamma=g, seed=s
+                        )
+                        for s in range(3)
+                    ]
+                    tokens = sum(r["tokens"] for r in res)
+                    judged = max(1, sum(r["judged"] for r in res))
+                    rows[f"{g}{wire}"] = {
+                        "wire_bytes_per_token": sum(r["wire_bytes"] for r in res) / tokens,
+                        "alpha": sum(r["accepted"] for r in res) / judged,
+                    }
+                client.close()
     return {"vocab": 151_936, "rows": rows}
 
 
@@ -756,7 +771,16 @@ def main(argv: list[str] | None = None) -> int:
     best_gamma = {0.0: 4, 1.0: 4}
     if {"services", "concurrency", "wire"} & set(sections):
         log("services on shared cores: plain, sequential and overlapped gamma 1-6, adaptive")
-        stack = start_services(out / "shared", args.draft, args.target, threads=1, draft_threads=1)
+        # Both services hold the draft's output layer for the wire section's hidden-state
+        # wire; every orchestrator but that section's sends lists (wire_hidden false).
+        hidden = {
+            "draft": {"hidden_q": True},
+            "target": {"draft_head": str(args.draft)},
+            "orchestrator": {"wire_hidden": False},
+        }
+        stack = start_services(
+            out / "shared", args.draft, args.target, threads=1, draft_threads=1, settings=hidden
+        )
         try:
             if "services" in sections:
                 results["services"] = services_section(stack, plan)

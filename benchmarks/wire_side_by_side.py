@@ -11,7 +11,11 @@ slow spell of the machine moves both sides of a round alike), the acceptance
 rate of judged drafts and the wire bytes per generated token.
 
     python -m benchmarks.wire_side_by_side [--top-k 256 1024 2048] [--repeats 5] [--shared]
-        [--out DIR]
+        [--hidden] [--out DIR]
+
+``--hidden`` adds the hidden-state wire (``specdec.hidden_q``): the services hold
+the draft's quantized output layer, and one more orchestrator sends q as hidden
+states ("hidden"); the others send lists.
 
 Prints a table; writes results.json and results.md.
 """
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--shared", action="store_true", help="no pinning: all processes share")
+    ap.add_argument("--hidden", action="store_true", help="also the hidden-state wire")
     ap.add_argument("--out", default=f"results/wire-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -53,20 +58,28 @@ def main(argv: list[str] | None = None) -> int:
                 acc[k] = acc.get(k, 0.0) + t[k]
         return t["tokens"] / t["wall_s"]
 
-    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1)
+    settings = None
+    if args.hidden:
+        settings = {"draft": {"hidden_q": True}, "target": {"draft_head": str(DEFAULT_DRAFT)}}
+    stack = start_services(
+        out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, settings=settings
+    )
     try:
         if not args.shared:
             pin_stack(stack)
         configs = {}
-        for k in args.top_k:
+        wires = [(f"top-{k}", {"orchestrator.wire_top_k": k}) for k in args.top_k]
+        if args.hidden:
+            wires.append(("hidden", {"orchestrator.wire_hidden": True}))
+        for wire, sets in wires:
             address, _ = stack.start_orchestrator(
-                f"orchestrator-top{k}",
+                f"orchestrator-{wire}",
                 stack.address("draft"),
                 stack.address("target"),
-                {"orchestrator.wire_top_k": k},
+                {"orchestrator.wire_hidden": False, **sets},
             )
             for label, gamma in ((f"gamma {GAMMA}", GAMMA), ("adaptive", None)):
-                name = f"top-{k}, {label}"
+                name = f"{wire}, {label}"
                 fields = {"temperature": 1.0, "gamma": gamma, "overlap": False}
                 configs[name] = lambda r, a=address, n=name, f=fields: one(a, n, f, r)
         if not args.shared:

@@ -89,7 +89,11 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
         assert row["plain"]["sustained_tok_s"] > 0 and row["adaptive"]["sustained_tok_s"] > 0
     wire = results["wire"]["top64"]["rows"]
     assert wire["dense"]["wire_bytes_per_token"] > wire["spec"]["wire_bytes_per_token"] > 0
-    assert results["wire_large_vocab"]["rows"]
+    # q as the draft's hidden states: a 32-wide draft's codes, fewer bytes than 64 entries
+    hidden = results["wire"]["hidden"]["rows"]["spec"]["wire_bytes_per_token"]
+    assert 0 < hidden < wire["spec"]["wire_bytes_per_token"]
+    large = results["wire_large_vocab"]["rows"]
+    assert 0 < large["1 hidden"]["wire_bytes_per_token"] < large["1"]["wire_bytes_per_token"]
     assert all(c["value"] is not None for c in results["criteria"])
 
     md = (out / "results.md").read_text()
