@@ -239,3 +239,17 @@ def test_a_target_deriving_another_q_fails_the_same_test(tmp_path, llama_pair):
         results = _check(broken, llama_pair, SamplingParams(1.0))
     failed = [k for k, (d, t) in results.items() if d >= t]
     assert failed, f"the mismatched derivation passed: {results}"
+
+
+def test_an_output_layer_that_is_not_a_plain_linear_map_is_refused_naming_the_key(llama_pair):
+    from specdec.config import ModelServiceConfig
+    from specdec.errors import Unsupported
+    from specdec.model_service import ModelService
+
+    draft, _ = llama_pair
+    model = load_model(str(draft))
+    assert QuantHead.of_model(model) is not None
+    model.config.final_logit_softcapping = 30.0  # a soft-capped head (Gemma 2's)
+    assert QuantHead.of_model(model) is None
+    with pytest.raises(Unsupported, match=r"draft\.hidden_q"):
+        ModelService("draft", ModelServiceConfig(model=str(draft), hidden_q=True), model=model)
