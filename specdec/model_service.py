@@ -118,11 +118,15 @@ class ModelService:
         path = cfg.draft_head if self.role == "target" else cfg.model if cfg.hidden_q else ""
         if not path:
             return None
+        field = "draft_head" if self.role == "target" else "hidden_q"
         same = path == cfg.model and self._float32_on_cpu()
-        model = self.model if same else load_model(path, trust_remote_code=cfg.trust_remote_code)
+        try:
+            trust = cfg.trust_remote_code
+            model = self.model if same else load_model(path, trust_remote_code=trust)
+        except (OSError, ValueError) as e:
+            raise Unsupported(f"{self.role}.{field}: cannot load a model from {path}: {e}") from e
         head = QuantHead.of_model(model)
         if head is None:
-            field = "draft_head" if self.role == "target" else "hidden_q"
             raise Unsupported(
                 f"{self.role}.{field}: {path} has no plain linear output layer (a bias, a "
                 "logit soft-cap or scaling); the hidden-state wire cannot derive its q"

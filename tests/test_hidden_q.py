@@ -253,3 +253,14 @@ def test_an_output_layer_that_is_not_a_plain_linear_map_is_refused_naming_the_ke
     assert QuantHead.of_model(model) is None
     with pytest.raises(Unsupported, match=r"draft\.hidden_q"):
         ModelService("draft", ModelServiceConfig(model=str(draft), hidden_q=True), model=model)
+
+
+def test_a_draft_head_that_cannot_be_loaded_is_refused_naming_the_key(tmp_path, llama_pair):
+    from specdec.config import ModelServiceConfig
+    from specdec.errors import Unsupported
+    from specdec.model_service import ModelService
+
+    _, target = llama_pair
+    cfg = ModelServiceConfig(model=str(target), draft_head=str(tmp_path / "nowhere"))
+    with pytest.raises(Unsupported, match=r"target\.draft_head: cannot load"):
+        ModelService("target", cfg, model=load_model(str(target)))
