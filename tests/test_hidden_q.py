@@ -264,3 +264,28 @@ def test_a_draft_head_that_cannot_be_loaded_is_refused_naming_the_key(tmp_path, 
     cfg = ModelServiceConfig(model=str(target), draft_head=str(tmp_path / "nowhere"))
     with pytest.raises(Unsupported, match=r"target\.draft_head: cannot load"):
         ModelService("target", cfg, model=load_model(str(target)))
+
+
+def test_at_151936_tokens_the_draws_follow_the_q_the_target_derives():
+    """Qwen2.5's vocabulary: the draft's draws from its derived q, through the codec,
+    follow the q the target derives (coarsened into ten bands of ids), and a position
+    costs the head's width + a few bytes however large the vocabulary."""
+    from specdec.rng import generator
+
+    vocab = 151_936
+    g = torch.Generator().manual_seed(0)
+    head = QuantHead.from_weight(torch.randn(vocab, 32, generator=g) * 0.4)
+    h = torch.randn(32, generator=g) * 2
+    rng = generator(3)
+    sent = hidden_position(head, h, SamplingParams(1.0), rng)
+    draws = [sent[1].sample(rng) for _ in range(3000)]  # more draws from the draft's q
+    pb = pack_q([sent[1]])
+    assert pb.ByteSize() <= 32 + 10
+    (back,) = unpack_q(pb, vocab, [sent[0]], head=head, params=SamplingParams(1.0))
+    assert np.array_equal(back.ids, sent[1].ids) and np.array_equal(back.counts, sent[1].counts)
+    assert all(back.prob(x) > 0 for x in draws)
+    bands = torch.from_numpy(np.asarray(draws) * 10 // vocab)
+    expected = torch.zeros(10, dtype=torch.float64).index_add_(
+        0, torch.from_numpy(back.ids * 10 // vocab), torch.from_numpy(back.counts / back.scale)
+    )
+    assert tv(bands, expected) < tv_threshold(expected, len(draws))
