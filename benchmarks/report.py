@@ -280,6 +280,27 @@ def criteria(r: dict) -> list[dict]:
                     1.0,
                 )
             )
+    out += _wire_criteria(r)
+    return out
+
+
+def _wire_criteria(r: dict) -> list[dict]:
+    """Issue 15's wire goal (at most 1 KiB per token at T=1, at most 0.01 of alpha lost)
+    for q as hidden states, the one shape that can meet both (``specdec.hidden_q``).
+    Alpha here is judged online against the dense q's in the same rounds, so it
+    carries their sampling noise; ``benchmarks.wire_loss`` measures the loss exactly."""
+    out = []
+    hidden = r.get("wire", {}).get("hidden", {}).get("rows", {})
+    if "spec" in hidden:
+        spec, dense = hidden["spec"], hidden["dense"]
+        out.append(_check("15: wire bytes per token at T=1, q as hidden states",
+                          spec["wire_bytes_per_token"], 1024, higher=False))  # fmt: skip
+        out.append(_check("15: alpha judged, hidden states - dense q (online, noisy)",
+                          spec["alpha"] - dense["alpha"], -0.01))  # fmt: skip
+    for g, row in r.get("wire_large_vocab", {}).get("rows", {}).items():
+        if g.endswith("hidden"):
+            out.append(_check(f"15: wire bytes per token at T=1, 151,936 tokens, gamma {g}",
+                              row["wire_bytes_per_token"], 1024, higher=False))  # fmt: skip
     return out
 
 
