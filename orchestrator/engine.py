@@ -668,9 +668,9 @@ class Generation:
             while self.pushed < self.spec.max_new_tokens:
                 began = time.perf_counter()
                 charge(began)
-                self.policy.load = self.orch.load()
+                self.policy.load = load = self.orch.load()
                 if checked:
-                    self.policy.guard = cost.guard(self.policy.greedy, self.orch.load())
+                    self.policy.guard = cost.guard(self.policy.greedy, load)
                 new = await self.step()
                 guard = self.policy.guard
                 charged = (guard, self.policy.arm, len(new), began) if guard is not None else None

@@ -70,13 +70,13 @@ def _quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class QuantHead:
     """The draft's output layer, quantized the same way on both sides."""
 
-    codes: np.ndarray  # [vocab, d] float32 or float64 holding int8 values
+    # The int8 codes, transposed: [d, vocab], float32 (float64 for d > 1040). Kept as
+    # torch's for the matrix product: torch keeps to the service's thread setting, where
+    # numpy's BLAS starts threads of its own that spin on a service pinned to one core
+    # (measured: a third of the tokens/s).
+    matrix: torch.Tensor
     scales: np.ndarray  # [vocab] float64
     fingerprint: str  # SHA-256 over codes and scales
-    # codes transposed, [d, vocab], for torch's matrix product: torch keeps to the
-    # service's thread setting, where numpy's BLAS starts threads of its own that spin
-    # on a service pinned to one core (measured: a third of the tokens/s)
-    matrix: torch.Tensor
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> QuantHead:
@@ -87,8 +87,8 @@ class QuantHead:
         digest.update(codes.astype(np.int8).tobytes())
         digest.update(scales.astype("<f8").tobytes())
         dtype = np.float32 if w.shape[1] <= _EXACT_F32_DIM else np.float64
-        codes = codes.astype(dtype)
-        return cls(codes, scales, digest.hexdigest(), torch.from_numpy(codes.T.copy()))
+        matrix = torch.from_numpy(np.ascontiguousarray(codes.T, dtype=dtype))
+        return cls(matrix, scales, digest.hexdigest())
 
     @classmethod
     def of_model(cls, model) -> QuantHead | None:
@@ -104,11 +104,11 @@ class QuantHead:
 
     @property
     def vocab(self) -> int:
-        return self.codes.shape[0]
+        return self.matrix.shape[1]
 
     @property
     def dim(self) -> int:
-        return self.codes.shape[1]
+        return self.matrix.shape[0]
 
 
 def encode_hidden(h: torch.Tensor) -> tuple[np.ndarray, float]:
@@ -151,7 +151,7 @@ def derive_q(
     codes: [n, d] int8; scales: [n] (float32 values). Not for greedy requests (their
     q is a point: ``SparseQ.point``)."""
     n = codes.shape[0]
-    acc = (torch.from_numpy(codes.astype(head.codes.dtype)) @ head.matrix).numpy()  # [n, vocab]
+    acc = (torch.from_numpy(codes).to(head.matrix.dtype) @ head.matrix).numpy()  # [n, vocab]
     z = (acc.astype(np.float64) * head.scales[None, :]) * np.asarray(scales, np.float64)[:, None]
     t = float(np.float32(params.temperature))
     if t != 1.0:

@@ -63,7 +63,8 @@ def test_derived_q_follows_the_logits_closely_and_honours_top_p():
     head = _head()
     h = torch.randn(DIM, generator=torch.Generator().manual_seed(2)) * 4
     code, scale = encode_hidden(h)
-    logits = torch.from_numpy(head.codes.astype(np.float64) @ (code * scale) * head.scales)
+    codes = head.matrix.T.double().numpy()  # [vocab, d]
+    logits = torch.from_numpy(codes @ (code * scale) * head.scales)
     q = derive_q(head, code[None], np.array([scale]), SamplingParams(1.0))[0].dense()
     want = torch.softmax(logits, -1)
     assert float((q - want).abs().sum()) < 0.05  # the 1/16-nat grid moves each weight <= 3%
