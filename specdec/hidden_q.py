@@ -151,7 +151,7 @@ def derive_q(
     codes: [n, d] int8; scales: [n] (float32 values). Not for greedy requests (their
     q is a point: ``SparseQ.point``)."""
     n = codes.shape[0]
-    acc = (torch.from_numpy(codes).to(head.matrix.dtype) @ head.matrix).numpy()  # [n, vocab]
+    acc = (torch.tensor(codes, dtype=head.matrix.dtype) @ head.matrix).numpy()  # [n, vocab]
     z = (acc.astype(np.float64) * head.scales[None, :]) * np.asarray(scales, np.float64)[:, None]
     t = float(np.float32(params.temperature))
     if t != 1.0:
