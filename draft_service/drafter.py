@@ -130,7 +130,8 @@ class Drafter(ModelService):
         for i in range(gamma):
             if limit is not None and i >= limit[0]:
                 break
-            logits = yield Feed(session.kv, feed, 1, hidden)  # [1, vocab]
+            # [1, vocab] ([0, vocab] where the runner skipped the output layer)
+            logits = yield Feed(session.kv, feed, 1, hidden, head=hidden is None)
             forward_s += self.loop.last_batch.seconds
             batch_tokens += self.loop.last_batch.tokens
             if hidden is not None:

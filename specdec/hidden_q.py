@@ -56,6 +56,7 @@ def _table() -> np.ndarray:
 
 
 _TABLE = _table()  # [409]; weights below e^-25.5 of the maximum are 0
+_TABLE_F64 = _TABLE.astype(np.float64)  # exact: every entry is below 2^53
 
 
 def _quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,37 +151,78 @@ def derive_q(
 
     codes: [n, d] int8; scales: [n] (float32 values). Not for greedy requests (their
     q is a point: ``SparseQ.point``)."""
-    n = codes.shape[0]
-    acc = (torch.tensor(codes, dtype=head.matrix.dtype) @ head.matrix).numpy()  # [n, vocab]
-    z = (acc.astype(np.float64) * head.scales[None, :]) * np.asarray(scales, np.float64)[:, None]
+    lhs = torch.from_numpy(np.asarray(codes).astype(head.matrix.numpy().dtype))  # [n, d]
+    # In place from here on, each step one correctly rounded float64 operation per entry.
+    z = (lhs @ head.matrix).numpy().astype(np.float64)  # [n, vocab], exact integers
+    z *= head.scales[None, :]
+    z *= np.asarray(scales, np.float64)[:, None]
     t = float(np.float32(params.temperature))
     if t != 1.0:
-        z = z / t
-    steps = np.rint((z.max(axis=1, keepdims=True) - z) * _GRID)  # [n, vocab] >= 0
-    steps = np.minimum(steps, len(_TABLE) - 1).astype(np.int64)
-    weights = _TABLE[steps]  # [n, vocab] int64, the last table entry is 0
-    return [_to_q(weights[i], params) for i in range(n)]
+        z /= t
+    steps = np.subtract(z.max(axis=1, keepdims=True), z, out=z)  # [n, vocab] >= 0
+    steps *= _GRID
+    np.rint(steps, out=steps)
+    np.minimum(steps, len(_TABLE) - 1, out=steps)
+    # Grid steps below each row's maximum: the weight of a token is _TABLE[its step].
+    return [_to_q(row, params) for row in steps.astype(np.intp)]
 
 
-def _to_q(w: np.ndarray, params: SamplingParams) -> SparseQ:
-    """Counts out of 2^BITS from integer weights [vocab], after top-k and top-p."""
-    vocab = w.shape[0]
-    k = params.top_k
-    if (0 < k < vocab) or params.top_p < 1.0:
-        order = np.lexsort((np.arange(vocab), -w))  # largest first, ties by id
-        keep = vocab if not 0 < k < vocab else k
-        if params.top_p < 1.0:
-            mass = np.cumsum(w[order[:keep]])  # int64, exact
-            total = float(mass[-1])
-            # Keep through the first token whose cumulative mass reaches top_p.
-            reach = np.flatnonzero(mass.astype(np.float64) >= total * float(params.top_p))
-            keep = min(keep, int(reach[0]) + 1 if reach.size else keep)
-        cut = np.zeros(vocab, dtype=np.int64)
-        cut[order[:keep]] = w[order[:keep]]
-        w = cut
-    total = int(w.sum())
-    counts = np.floor(w.astype(np.float64) * (float(1 << BITS) / float(total))).astype(np.int64)
-    lead = int(np.argmax(w))
-    counts[lead] += (1 << BITS) - int(counts.sum())
+def _to_q(steps: np.ndarray, params: SamplingParams) -> SparseQ:
+    """Counts out of 2^BITS from the weights _TABLE[steps] ([vocab] grid steps below
+    the maximum, 0 at it), after top-k and top-p.
+
+    _TABLE falls strictly, so tokens rank by step (ties by id), and each count is a
+    function of its step alone: the work per token is a tally of the steps, one
+    gather and one comparison; the rest is per table entry."""
+    vocab = steps.shape[0]
+    tally = np.bincount(steps, minlength=len(_TABLE))  # [len(_TABLE)] tokens per step
+    if (0 < params.top_k < vocab) or params.top_p < 1.0:
+        steps, tally = _top_k_top_p(steps, tally, params)
+    total = int(tally @ _TABLE)  # exact: below 2^40 * vocab < 2^63
+    per_step = np.floor(_TABLE_F64 * (float(1 << BITS) / float(total)))
+    per_step = per_step.astype(np.int64)  # [len(_TABLE)] a token's count at each step
+    counts = per_step[steps]  # [vocab]
+    lead = int(np.argmin(steps))  # the first maximum
+    counts[lead] += (1 << BITS) - int(tally @ per_step)
+    if int(tally[per_step > 0].sum()) == vocab:  # every token has a count (often at T=1)
+        return SparseQ(np.arange(vocab), counts, 0, vocab, BITS)
     ids = np.flatnonzero(counts)
     return SparseQ(ids, counts[ids], 0, vocab, BITS)
+
+
+def _top_k_top_p(
+    steps: np.ndarray, tally: np.ndarray, params: SamplingParams
+) -> tuple[np.ndarray, np.ndarray]:
+    """steps and tally with the tokens that top-k and then top-p drop moved to the
+    last step (weight 0). Ranked by weight, ties by id: the r most likely tokens are
+    every token of the steps before some step s and the first of step s by id, so
+    their mass is known from the tally alone (integers, exact)."""
+    vocab = steps.shape[0]
+    before = np.concatenate(([0], np.cumsum(tally)))  # [L + 1] tokens ranked before step s
+    mass = np.concatenate(([0], np.cumsum(tally * _TABLE)))  # [L + 1] their mass (int64)
+
+    def step_of(rank: int) -> int:  # the step of the rank-th token (1-based)
+        return int(np.searchsorted(before, rank, side="left")) - 1
+
+    def mass_of(rank: int) -> int:  # the mass of the rank most likely tokens
+        s = step_of(rank)
+        return int(mass[s]) + (rank - int(before[s])) * int(_TABLE[s])
+
+    keep = params.top_k if 0 < params.top_k < vocab else vocab
+    if params.top_p < 1.0:
+        # Keep through the first token whose cumulative mass reaches top_p (mass_of
+        # grows with the rank: the first rank that reaches it, by bisection).
+        goal = float(mass_of(keep)) * float(params.top_p)
+        lo, hi = 1, keep
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if float(mass_of(mid)) >= goal:
+                hi = mid
+            else:
+                lo = mid + 1
+        keep = lo
+    last = step_of(keep)  # the kept tokens: steps before it, and the first of it
+    cut = steps.copy()
+    cut[steps > last] = len(_TABLE) - 1
+    cut[np.flatnonzero(steps == last)[keep - int(before[last]) :]] = len(_TABLE) - 1
+    return cut, np.bincount(cut, minlength=len(_TABLE))

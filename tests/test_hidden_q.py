@@ -4,7 +4,9 @@ state, derived into the same q bit for bit on both sides.
 * Unit: the draft's q (``hidden_position``) and the target's (``unpack_q`` with the
   head) are equal in every id and count; each is a distribution honouring top-k and
   top-p; the weight table uses no exp; a position costs head dimension + 5 bytes;
-  malformed codes are refused naming the field.
+  malformed codes are refused naming the field; the tally-based derivation equals a
+  plain per-token reference (sort, cumulative sums) under ties, top-k and top-p.
+* The runner: a feed that wants only hidden states skips the output layer.
 * In process: greedy output is the target's own; sampled requests use the wire.
 * Through the gRPC services: sampled output has the target's distribution, and a
   target that derives q differently from the draft (planted) fails the same test.
@@ -20,8 +22,17 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.hidden_q import _TABLE, BITS, QuantHead, derive_q, encode_hidden, hidden_position
+from specdec.hidden_q import (
+    _GRID,
+    _TABLE,
+    BITS,
+    QuantHead,
+    derive_q,
+    encode_hidden,
+    hidden_position,
+)
 from specdec.runtime.loading import load_model
+from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits
 from specdec.wire import pack_q, unpack_q
 
@@ -74,6 +85,76 @@ def test_derived_q_follows_the_logits_closely_and_honours_top_p():
         len(nucleus.ids) == int(np.searchsorted(kept, 0.5 - 0.03)) + 1
         or abs(len(nucleus.ids) - (int(np.searchsorted(kept, 0.5)) + 1)) <= 1
     )
+
+
+def _reference_q(head: QuantHead, code: np.ndarray, scale: float, params: SamplingParams):
+    """The derivation written per token, the obvious way: (ids, counts)."""
+    z = (code.astype(np.float64) @ head.matrix.double().numpy()) * head.scales * scale
+    t = float(np.float32(params.temperature))
+    z = z / t if t != 1.0 else z
+    steps = np.minimum(np.rint((z.max() - z) * _GRID), len(_TABLE) - 1).astype(np.int64)
+    w = _TABLE[steps]  # [vocab] int64
+    vocab = w.shape[0]
+    if 0 < params.top_k < vocab or params.top_p < 1.0:
+        order = np.lexsort((np.arange(vocab), -w))  # most likely first, ties by id
+        keep = params.top_k if 0 < params.top_k < vocab else vocab
+        if params.top_p < 1.0:
+            mass = np.cumsum(w[order[:keep]])
+            reach = np.flatnonzero(mass.astype(np.float64) >= float(mass[-1]) * params.top_p)
+            keep = min(keep, int(reach[0]) + 1)
+        cut = np.zeros(vocab, dtype=np.int64)
+        cut[order[:keep]] = w[order[:keep]]
+        w = cut
+    counts = np.floor(w.astype(np.float64) * (float(1 << BITS) / float(w.sum()))).astype(np.int64)
+    counts[int(np.argmax(w))] += (1 << BITS) - int(counts.sum())
+    return np.flatnonzero(counts), counts[counts > 0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        *PARAMS,
+        SamplingParams(0.05, top_k=7),  # most tokens at the table's last step, weight 0
+        SamplingParams(0.05, top_p=0.3),
+        SamplingParams(1.0, top_p=0.01),
+        SamplingParams(1.0, top_p=0.999999),
+        SamplingParams(2.0, top_k=VOCAB - 1, top_p=0.97),
+        SamplingParams(0.5, top_k=2, top_p=0.6),
+        SamplingParams(100.0, top_k=10),  # nearly flat: long runs of tied steps
+        SamplingParams(100.0, top_p=0.5),
+    ],
+    ids=str,
+)
+def test_the_derivation_equals_a_plain_per_token_reference(params):
+    weight = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(4)) * 0.3
+    weight[::3] = weight[1]  # a third of the vocabulary tied with token 1
+    head, rng = QuantHead.from_weight(weight), np.random.default_rng(9)
+    codes = rng.integers(-127, 128, size=(12, DIM)).astype(np.int8)
+    codes[0] = 0  # every token tied
+    scales = np.array([float(np.float32(s)) for s in rng.uniform(0.001, 0.5, 12)])
+    for code, scale, q in zip(codes, scales, derive_q(head, codes, scales, params), strict=True):
+        ids, counts = _reference_q(head, code, scale, params)
+        assert np.array_equal(q.ids, ids) and np.array_equal(q.counts, counts)
+
+
+def test_a_feed_that_wants_only_hidden_states_skips_the_output_layer(llama_pair):
+    model = load_model(str(llama_pair[0]))
+    runner = RaggedRunner(model)
+    assert runner.lean
+    rows = []
+    model.lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[1]))
+    kvs = [SessionKV(), SessionKV()]
+    runner.forward([Feed(kvs[0], [5, 6, 7], 0), Feed(kvs[1], [8, 9], 0)])
+    ahead = [SessionKV(), SessionKV()]
+    runner.forward([Feed(ahead[0], [5, 6, 7], 0), Feed(ahead[1], [8, 9], 0)])
+    both, only = [], []
+    want = runner.forward([Feed(kvs[0], [3], 1, both), Feed(kvs[1], [4], 1)])
+    rows.clear()
+    got = runner.forward([Feed(ahead[0], [3], 1, only, head=False), Feed(ahead[1], [4], 1)])
+    assert rows == [1]  # the output layer ran for the other feed's row only
+    assert got[0].shape == (0, model.config.vocab_size) and torch.equal(only[0], both[0])
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    assert kvs[0].length == ahead[0].length == 4
 
 
 def test_the_weight_table_is_built_without_exp():

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -218,7 +218,7 @@ class ForwardLoop:
         for (p, feed), out in zip(batch, logits, strict=True):
             if feed is not p.feed:  # a chunk: the remainder stays queued
                 rest = p.feed.tokens[len(feed.tokens) :]
-                p.feed = Feed(p.feed.kv, rest, p.feed.logits, p.feed.hidden_out)
+                p.feed = replace(p.feed, tokens=rest)
                 continue
             try:
                 p.feed = p.job.send(out)

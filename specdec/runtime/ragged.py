@@ -39,6 +39,7 @@ forward (``specdec.runtime.forward_loop``), or sessions' lifetimes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -257,6 +258,11 @@ class Feed:
     # Where to append the output layer's input at the kept positions, [logits, d]
     # (the last hidden states: ``specdec.hidden_q``); None: not wanted.
     hidden_out: list | None = None
+    # False: only the hidden states are wanted, so the runner may skip the output
+    # layer for this feed (the lean forward does; its logits are then [0, vocab]).
+    # The hidden-state wire derives q from them: a draft with a large vocabulary
+    # would otherwise run its output layer twice per drafted token.
+    head: bool = True
 
 
 def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -410,15 +416,21 @@ class RaggedRunner:
         for d, ours in self._switch:
             d["_attn_implementation_internal"] = ours
         kept = torch.tensor(keep, dtype=torch.long, device=dev)
+        counts = [f.logits for f in feeds]
+        # Rows of ``kept`` whose logits are wanted (None: all of them).
+        heads = None
+        if self.lean and not all(f.head for f in feeds):
+            at = [0, *itertools.accumulate(counts)]
+            heads = [r for i, f in enumerate(feeds) if f.head for r in range(at[i], at[i + 1])]
         captured: list[torch.Tensor] = []
         hook = None
-        if any(f.hidden_out is not None for f in feeds):  # the output layer's input
+        if not self.lean and any(f.hidden_out is not None for f in feeds):
             hook = self.model.get_output_embeddings().register_forward_pre_hook(
                 lambda _module, args: captured.append(args[0])
             )
         try:
             if self.lean:
-                logits = self._lean_forward(ids, pos, RaggedBatch(segments), kept)
+                logits = self._lean_forward(ids, pos, RaggedBatch(segments), kept, heads, captured)
             else:
                 logits = self.model(
                     input_ids=ids,
@@ -434,21 +446,33 @@ class RaggedRunner:
                 hook.remove()
         for s in segments:
             s.kv.length = s.past + s.new
-        if hook is not None:
-            hidden = captured[-1][0].split([f.logits for f in feeds])  # each [logits, d]
+        if any(f.hidden_out is not None for f in feeds):  # the output layer's input
+            hidden = captured[-1][0].split(counts)  # each [logits, d]
             for f, h in zip(feeds, hidden, strict=True):
                 if f.hidden_out is not None:
                     f.hidden_out.append(h)
-        logits = logits[0]  # [sum of feeds' logits, vocab]
+        logits = logits[0]  # [rows with logits, vocab]
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
-        return list(logits.split([f.logits for f in feeds]))
+        if heads is not None:
+            counts = [f.logits if f.head else 0 for f in feeds]
+        return list(logits.split(counts))
 
-    def _lean_forward(self, ids, pos, cache: RaggedBatch, kept: torch.Tensor) -> torch.Tensor:
+    def _lean_forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        cache: RaggedBatch,
+        kept: torch.Tensor,
+        heads: list[int] | None = None,
+        captured: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The model forward of ``LEAN_FAMILIES`` without its wrapper: the same
         modules, called in the same order on the same values. ids, pos: [1, N];
-        returns logits [1, kept, vocab]. The modules are looked up on every pass:
-        ``packed_linear`` replaces some after start-up."""
+        returns logits [1, kept, vocab], or [1, len(heads), vocab] for the rows of
+        ``kept`` in ``heads``. The output layer's input [1, kept, d] is appended to
+        ``captured``. The modules are looked up on every pass: ``packed_linear``
+        replaces some after start-up."""
         model, base = self.model, self.model.model
         hidden = base.embed_tokens(ids)  # [1, N, hidden]
         position_embeddings = base.rotary_emb(hidden, position_ids=pos)
@@ -461,7 +485,12 @@ class RaggedRunner:
                 cache=cache,
                 use_cache=True,
             )
-        return model.lm_head(base.norm(hidden)[:, kept])
+        last = base.norm(hidden)[:, kept]  # [1, kept, hidden]
+        if captured is not None:
+            captured.append(last)
+        if heads is not None:
+            last = last[:, heads]  # [1, len(heads), hidden]
+        return model.lm_head(last)
 
 
 def _lean_family(model) -> bool:
