@@ -304,3 +304,17 @@ def test_adaptive_check_writes_results(tmp_path):
     assert point["held_out"]["ratio"] > 0 and point["held_out"]["picks"][0] in ("seq2", "ovl2")
     assert "| +0 ms, T=0 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "adaptive_check.png").stat().st_size > 0
+
+
+def test_draft_position_writes_results(tmp_path):
+    _run_module(
+        "benchmarks.draft_position", "--rounds", "1", "--positions", "5", "--no-large",
+        "--against", "HEAD", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    (modes,) = results.values()
+    assert set(modes) == {
+        "list (top-1024)", "hidden", "hidden, head run too", "hidden at before"
+    }  # fmt: skip
+    assert all(m["us"] > 0 for m in modes.values())
+    assert "| hidden at HEAD |" in (tmp_path / "results.md").read_text()
