@@ -44,6 +44,7 @@ BITS = 30  # counts of a derived q are out of 2^30
 _GRID = 16  # logit grid steps per nat
 _RATIO = 1032895585848  # round(2^40 * exp(-1/16)): one grid step down, in 2^-40
 _EXACT_F32_DIM = 1040  # 127 * 127 * 1040 < 2^24: float32 sums of code products are exact
+_BLOCK_ROWS = 8192  # rows of the output layer quantized at a time
 
 
 def _table() -> np.ndarray:
@@ -81,27 +82,35 @@ class QuantHead:
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> QuantHead:
-        """weight: [vocab, d], the output layer's matrix (no bias)."""
-        w = weight.detach().to("cpu", torch.float32).numpy().astype(np.float64)
-        codes, scales = _quantize_rows(w)
-        digest = hashlib.sha256()
-        digest.update(codes.astype(np.int8).tobytes())
+        """weight: [vocab, d], the output layer's matrix (no bias). Quantized in blocks
+        of rows, so that the float64 work never holds more than a block (a whole
+        151,936 x 896 head in float64 is 1.1 GB a temporary)."""
+        w = weight.detach().to("cpu", torch.float32).numpy()  # [vocab, d]
+        vocab, d = w.shape
+        dtype = np.float32 if d <= _EXACT_F32_DIM else np.float64
+        matrix = np.empty((d, vocab), dtype=dtype)  # the codes, transposed
+        scales = np.empty(vocab, dtype=np.float64)
+        digest = hashlib.sha256()  # over the codes (row-major, as one piece), then the scales
+        for lo in range(0, vocab, _BLOCK_ROWS):
+            hi = min(lo + _BLOCK_ROWS, vocab)
+            codes, scales[lo:hi] = _quantize_rows(w[lo:hi].astype(np.float64))
+            digest.update(codes.astype(np.int8).tobytes())
+            matrix[:, lo:hi] = codes.T
         digest.update(scales.astype("<f8").tobytes())
-        dtype = np.float32 if w.shape[1] <= _EXACT_F32_DIM else np.float64
-        matrix = torch.from_numpy(np.ascontiguousarray(codes.T, dtype=dtype))
-        return cls(matrix, scales, digest.hexdigest())
+        return cls(torch.from_numpy(matrix), scales, digest.hexdigest())
 
     @classmethod
-    def of_model(cls, model) -> QuantHead | None:
+    def of_model(cls, model, weight: torch.Tensor | None = None) -> QuantHead | None:
         """The head of a causal LM whose logits are a plain linear map of its last
         hidden state, or None (a bias, a final soft-cap or logit scaling: the list wire
-        serves those)."""
+        serves those). ``weight``: the output layer's, where ``model`` holds none (built
+        on the meta device, ``loading.load_output_layer``)."""
         head = model.get_output_embeddings()
         cfg = model.config
         plain = isinstance(head, torch.nn.Linear) and head.bias is None
         for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
             plain = plain and getattr(cfg, name, None) in (None, 1, 1.0)
-        return cls.from_weight(head.weight) if plain else None
+        return cls.from_weight(head.weight if weight is None else weight) if plain else None
 
     @property
     def vocab(self) -> int:

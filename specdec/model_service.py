@@ -26,6 +26,7 @@ from specdec.runtime.loading import (
     ModelInfo,
     eos_token_ids,
     load_model,
+    load_output_layer,
     load_tokenizer,
     model_fingerprint,
     position_limit,
@@ -120,12 +121,18 @@ class ModelService:
             return None
         field = "draft_head" if self.role == "target" else "hidden_q"
         same = path == cfg.model and self._float32_on_cpu()
+        weight = None
         try:
             trust = cfg.trust_remote_code
-            model = self.model if same else load_model(path, trust_remote_code=trust)
+            if same:
+                model = self.model
+            elif (alone := load_output_layer(path, trust_remote_code=trust)) is not None:
+                model, weight = alone  # the output layer only: the model on the meta device
+            else:
+                model = load_model(path, trust_remote_code=trust)
         except (OSError, ValueError) as e:
             raise Unsupported(f"{self.role}.{field}: cannot load a model from {path}: {e}") from e
-        head = QuantHead.of_model(model)
+        head = QuantHead.of_model(model, weight)
         if head is None:
             raise Unsupported(
                 f"{self.role}.{field}: {path} has no plain linear output layer (a bias, a "

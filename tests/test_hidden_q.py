@@ -157,6 +157,26 @@ def test_a_feed_that_wants_only_hidden_states_skips_the_output_layer(llama_pair)
     assert kvs[0].length == ahead[0].length == 4
 
 
+def test_the_head_and_its_q_are_the_same_in_every_build_and_on_every_machine():
+    """Golden values, from a weight and codes built without a random generator: a
+    draft and a target of different builds or machines agree only if these do. A
+    change to the quantization or the derivation must change the fingerprint (and
+    this test), or the two sides would derive different q under equal fingerprints."""
+    import hashlib
+
+    vocab, d = 20_000, 48  # more rows than a quantization block
+    steps = (np.arange(vocab * d, dtype=np.int64) * 7919) % 201 - 100
+    head = QuantHead.from_weight(torch.from_numpy((steps / 37.0).reshape(vocab, d)))
+    assert head.fingerprint == "74c8aa70896c8c2252cbb5d6d23196e3d2f3b2a1ac0260aad1385c9038c7943c"
+    codes = ((np.arange(4 * d) * 31) % 255 - 127).astype(np.int8).reshape(4, d)
+    scales = np.array([float(np.float32(x)) for x in (0.01, 0.02, 0.005, 0.03)])
+    digest = hashlib.sha256()
+    for params in (SamplingParams(1.0), SamplingParams(0.7, top_k=50, top_p=0.9)):
+        for q in derive_q(head, codes, scales, params):
+            digest.update(q.ids.astype("<i8").tobytes() + q.counts.astype("<i8").tobytes())
+    assert digest.hexdigest() == "ec25f866f437e0bb9cff35d5be1eb457526add732db57ac9469e62255fe2876d"
+
+
 def test_the_weight_table_is_built_without_exp():
     assert _TABLE[0] == 1 << 40 and _TABLE[-1] == 0 and (np.diff(_TABLE) <= 0).all()
     for j in (1, 16, 80, 160):
@@ -346,6 +366,46 @@ def test_a_draft_head_that_cannot_be_loaded_is_refused_naming_the_key(tmp_path, 
     cfg = ModelServiceConfig(model=str(target), draft_head=str(tmp_path / "nowhere"))
     with pytest.raises(Unsupported, match=r"target\.draft_head: cannot load"):
         ModelService("target", cfg, model=load_model(str(target)))
+
+
+def _saved_variant(tmp_path, llama_pair, gpt2_pair, kind: str) -> str:
+    """A draft checkpoint of the given kind, saved as a user would have it."""
+    if kind == "untied llama":
+        return str(llama_pair[0])
+    if kind == "gpt2":
+        return str(gpt2_pair[0])
+    model = load_model(str(llama_pair[0]))
+    out = tmp_path / kind.replace(" ", "-")
+    if kind == "tied":
+        model.config.tie_word_embeddings = True
+        tied = type(model)(model.config)
+        tied.load_state_dict(model.state_dict(), strict=False)
+        tied.save_pretrained(out)
+    elif kind == "sharded":
+        model.save_pretrained(out, max_shard_size="40KB")
+        assert (out / "model.safetensors.index.json").is_file()
+    else:  # "bfloat16"
+        model.to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("kind", ["untied llama", "gpt2", "tied", "sharded", "bfloat16"])
+def test_the_target_reads_the_draft_output_layer_alone(
+    tmp_path, monkeypatch, llama_pair, gpt2_pair, kind
+):
+    """The target's copy of the draft head comes from that one tensor of the draft's
+    checkpoint (its layers never loaded), with the fingerprint of the whole model's."""
+    from specdec import model_service
+    from specdec.config import ModelServiceConfig
+
+    draft = _saved_variant(tmp_path, llama_pair, gpt2_pair, kind)
+    want = QuantHead.of_model(load_model(draft)).fingerprint
+    _, target = llama_pair
+    loaded = []
+    monkeypatch.setattr(model_service, "load_model", lambda path, **kw: loaded.append(path))
+    cfg = ModelServiceConfig(model=str(target), draft_head=draft)
+    service = model_service.ModelService("target", cfg, model=load_model(str(target)))
+    assert service.head is not None and service.head.fingerprint == want and loaded == []
 
 
 def test_at_151936_tokens_the_draws_follow_the_q_the_target_derives():

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 DTYPES = {
@@ -69,6 +70,43 @@ def load_model(
         use_safetensors=True if has_safetensors else None,
     )
     return model.to(device).eval()
+
+
+def load_output_layer(path: str, trust_remote_code: bool = False):
+    """The model built on the meta device (no memory for its weights) and its output
+    layer's weight [vocab, d] in float32 on the CPU, read alone from the safetensors
+    checkpoint in the directory ``path``; None where that cannot be done (not a local
+    directory of safetensors, or the checkpoint names the weight differently): then
+    load the whole model. What a target needs of the draft for the hidden-state wire
+    (``specdec.hidden_q``), without holding the draft's layers even for a moment."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (root / "model.safetensors").is_file():
+        with safe_open(root / "model.safetensors", "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        return None
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if weight is None:
+        return None
+    # Every name of the weight (a tied one has two), then without the base model's
+    # prefix (older checkpoints of some families store them so).
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    prefix = f"{model.base_model_prefix}."
+    names += [n.removeprefix(prefix) for n in names if n.startswith(prefix)]
+    for name in names:
+        if name in weight_map:
+            with safe_open(root / weight_map[name], "pt", device="cpu") as f:
+                tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != tuple(weight.shape):
+                return None
+            return model.eval(), tensor.to(torch.float32)
+    return None
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
