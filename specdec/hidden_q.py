@@ -16,7 +16,11 @@ correctly rounded float64 arithmetic, and the draft samples from exactly that q
   bytes and 4 on the wire.
 * The code dot products are integers below 127 * 127 * d < 2^24 for d <= 1040,
   so a float32 matrix product computes them exactly in any order (float64 above
-  that). z = dot * w_scale * h_scale, then / temperature: single IEEE operations.
+  that), on the CPU or on the model's GPU: the codes need 7 bits, so even TF32's
+  11-bit inputs hold them, and each partial sum is an integer below 2^24. The
+  product runs where the service's model runs (``QuantHead.to``); what follows
+  runs on the CPU. z = dot * w_scale * h_scale, then / temperature: single IEEE
+  operations.
 * exp is not correctly rounded everywhere, so none is used: z is rounded to a
   grid of 1/16 nat below the row's maximum, and each grid step's weight comes
   from a table built with integer arithmetic only (``_TABLE``: 2^40 e^(-j/16)).
@@ -32,7 +36,7 @@ Not for: the wire format (``specdec.wire``) or drafting (``draft_service``).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -112,6 +116,11 @@ class QuantHead:
             plain = plain and getattr(cfg, name, None) in (None, 1, 1.0)
         return cls.from_weight(head.weight if weight is None else weight) if plain else None
 
+    def to(self, device: torch.device | str) -> QuantHead:
+        """The same head with its matrix on ``device``, where the derivation's product
+        then runs (the values it computes are the same integers anywhere)."""
+        return replace(self, matrix=self.matrix.to(device))
+
     @property
     def vocab(self) -> int:
         return self.matrix.shape[1]
@@ -160,9 +169,10 @@ def derive_q(
 
     codes: [n, d] int8; scales: [n] (float32 values). Not for greedy requests (their
     q is a point: ``SparseQ.point``)."""
-    lhs = torch.from_numpy(np.asarray(codes).astype(head.matrix.numpy().dtype))  # [n, d]
+    exact = np.float32 if head.matrix.dtype == torch.float32 else np.float64
+    lhs = torch.from_numpy(np.asarray(codes).astype(exact)).to(head.matrix.device)  # [n, d]
     # In place from here on, each step one correctly rounded float64 operation per entry.
-    z = (lhs @ head.matrix).numpy().astype(np.float64)  # [n, vocab], exact integers
+    z = (lhs @ head.matrix).cpu().numpy().astype(np.float64)  # [n, vocab], exact integers
     z *= head.scales[None, :]
     z *= np.asarray(scales, np.float64)[:, None]
     t = float(np.float32(params.temperature))

@@ -140,7 +140,7 @@ class ModelService:
             )
         log.info("%s: hidden-state wire head %s (%d x %d)", self.role, head.fingerprint[:12],
                  head.vocab, head.dim)  # fmt: skip
-        return head
+        return head.to(cfg.device)  # its product runs beside the model's passes
 
     def _float32_on_cpu(self) -> bool:
         p = next(self.model.parameters())
