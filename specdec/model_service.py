@@ -140,7 +140,9 @@ class ModelService:
             )
         log.info("%s: hidden-state wire head %s (%d x %d)", self.role, head.fingerprint[:12],
                  head.vocab, head.dim)  # fmt: skip
-        return head.to(cfg.device)  # its product runs beside the model's passes
+        head = head.to(cfg.device)  # its product runs beside the model's passes
+        # The target derives a verify's gamma positions in one product: packed once.
+        return head.packed() if self.role == "target" else head
 
     def _float32_on_cpu(self) -> bool:
         p = next(self.model.parameters())

@@ -170,11 +170,14 @@ def test_the_head_and_its_q_are_the_same_in_every_build_and_on_every_machine():
     assert head.fingerprint == "74c8aa70896c8c2252cbb5d6d23196e3d2f3b2a1ac0260aad1385c9038c7943c"
     codes = ((np.arange(4 * d) * 31) % 255 - 127).astype(np.int8).reshape(4, d)
     scales = np.array([float(np.float32(x)) for x in (0.01, 0.02, 0.005, 0.03)])
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device in devices:  # the product runs where the model does
+    # The product runs where the model does; a target's CPU head is packed for oneDNN.
+    heads = {"cpu": head, "cpu, packed": head.packed()}
+    if torch.cuda.is_available():
+        heads["cuda"] = head.to("cuda")
+    for device, placed in heads.items():
         digest = hashlib.sha256()
         for params in (SamplingParams(1.0), SamplingParams(0.7, top_k=50, top_p=0.9)):
-            for q in derive_q(head.to(device), codes, scales, params):
+            for q in derive_q(placed, codes, scales, params):
                 digest.update(q.ids.astype("<i8").tobytes() + q.counts.astype("<i8").tobytes())
         want = "ec25f866f437e0bb9cff35d5be1eb457526add732db57ac9469e62255fe2876d"
         assert digest.hexdigest() == want, device
