@@ -60,13 +60,35 @@ def main(argv: list[str] | None = None) -> int:
         "adaptive requests are measured beside (as 'baseline'), e.g. "
         "orchestrator.adaptive_explore_per_request=false",
     )
+    ap.add_argument(
+        "--services-set",
+        nargs="*",
+        default=[],
+        help="SECTION.KEY=VALUE settings of the draft and target services, e.g. "
+        "draft.hidden_q=true target.draft_head=models/demo/draft",
+    )
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        dest="every_set",
+        help="KEY=VALUE settings of every orchestrator (the baseline's own override them)",
+    )
     ap.add_argument("--out", default=f"results/plain-check-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
     info["check_min_requests"] = args.check_min_requests
-    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
+    services: dict[str, dict] = {}
+    for kv in args.services_set:
+        key, value = kv.split("=", 1)
+        section, name = key.split(".", 1)
+        services.setdefault(section, {})[name] = _value(value)
+    info["services_set"], info["every_set"] = args.services_set, args.every_set
+    stack = start_services(
+        out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1, settings=services
+    )
     proxies = ProxyGroup()
     rates: dict[str, list[float]] = {}
     try:
@@ -76,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 "orchestrator.adaptive_plain_check": check,
                 "orchestrator.adaptive_plain_check_min_requests": args.check_min_requests,
                 "orchestrator.max_concurrent_requests": 32,
+                **dict(kv.split("=", 1) for kv in args.every_set),  # parsed as --set
             }
 
         d, t = stack.address("draft"), stack.address("target")
@@ -170,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     save_side_by_side(out, lines, info, rates, med)
     return 0
+
+
+def _value(text: str):
+    """A YAML scalar: true, 3, 0.5 or a string."""
+    import yaml
+
+    return yaml.safe_load(text)
 
 
 if __name__ == "__main__":
