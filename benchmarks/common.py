@@ -12,7 +12,9 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.request import urlopen
@@ -91,6 +93,18 @@ def git_commit() -> str:
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def module_at(rev: str, path: str) -> types.ModuleType:
+    """The module in the repository file ``path`` as it was at git revision ``rev``
+    (benchmarks' ``--against``), loaded beside this build's."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"{Path(path).stem}_at_{rev}")
+    sys.modules[module.__name__] = module  # (dataclasses look their module up)
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    return module
 
 
 def machine_info(device: str) -> dict:

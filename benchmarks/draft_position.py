@@ -32,8 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 import types
 from collections.abc import Callable
@@ -49,25 +47,9 @@ from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 from specdec.sampling import SamplingParams, draft_position
 from specdec.wire import DEFAULT_Q_BITS
 
-from .common import DEFAULT_DRAFT, machine_info
+from .common import DEFAULT_DRAFT, machine_info, module_at
 
-REPO = Path(__file__).resolve().parent.parent
 PARAMS = SamplingParams(1.0)
-
-
-def hidden_q_at(rev: str) -> types.ModuleType:
-    """``specdec.hidden_q`` as it was at git revision ``rev``."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:specdec/hidden_q.py"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    module = types.ModuleType(f"hidden_q_at_{rev}")
-    sys.modules[module.__name__] = module  # (dataclasses look their module up)
-    exec(compile(source, f"{rev}:specdec/hidden_q.py", "exec"), module.__dict__)
-    return module
 
 
 def large_draft() -> torch.nn.Module:
@@ -164,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     info = machine_info("cpu")
-    before = hidden_q_at(args.against) if args.against else None
+    before = module_at(args.against, "specdec/hidden_q.py") if args.against else None
     models = {"demo draft (4,096 x 160)": lambda: load_model(str(DEFAULT_DRAFT))}
     if not args.no_large:
         models["random Qwen2 draft (151,936 x 896)"] = large_draft

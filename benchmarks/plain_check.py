@@ -14,7 +14,14 @@ learns from it, as it would from a server's earlier traffic):
   shared cores as in ``make bench``'s concurrency section.
 ``--baseline-set KEY=VALUE ...`` adds a fourth configuration: adaptive requests,
 the check on, through an orchestrator with those settings ("baseline"), for a
-side-by-side of an adaptive setting under load.
+side-by-side of an adaptive setting under load. ``--set KEY=VALUE ...`` applies
+to every orchestrator (the baseline's own settings win), and ``--services-set
+SECTION.KEY=VALUE ...`` to the draft and target services; for example the
+hidden-state wire against the list under load:
+
+    python -m benchmarks.plain_check --rtts --clients 1 4 8 16 \
+        --services-set draft.hidden_q=true target.draft_head=models/demo/draft \
+        --set orchestrator.wire_hidden=false --baseline-set orchestrator.wire_hidden=true
 Rounds interleave the configurations, the order rotating; medians. Prints a
 table; writes results.json and results.md.
 """
@@ -26,6 +33,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+import yaml
 
 from specdec.local.proxy import ProxyGroup
 
@@ -197,8 +206,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _value(text: str):
     """A YAML scalar: true, 3, 0.5 or a string."""
-    import yaml
-
     return yaml.safe_load(text)
 
 

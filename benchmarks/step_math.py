@@ -28,8 +28,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
@@ -41,8 +39,9 @@ from specdec.runtime.memory import keep_freed
 from specdec.sampling import SamplingParams, draft_position, verify_draft
 from specdec.wire import DEFAULT_Q_BITS, pack_q, unpack_q
 
+from .common import module_at
+
 VOCABS = (4096, 32_000, 151_936)
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _median_us(f, steps: int) -> float:
@@ -74,17 +73,7 @@ def _paired_us(f, g, steps: int) -> tuple[float, float]:
 
 def sampling_at(rev: str) -> types.ModuleType:
     """``specdec.sampling`` as it was at git revision ``rev`` (``--against``)."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:specdec/sampling.py"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    module = types.ModuleType(f"sampling_at_{rev}")
-    sys.modules[module.__name__] = module  # (dataclasses look their module up)
-    exec(compile(source, f"{rev}:specdec/sampling.py", "exec"), module.__dict__)
-    return module
+    return module_at(rev, "specdec/sampling.py")
 
 
 def measure(
