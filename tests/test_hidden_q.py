@@ -395,6 +395,17 @@ def _saved_variant(tmp_path, llama_pair, gpt2_pair, kind: str) -> str:
     return str(out)
 
 
+def test_a_checkpoint_the_head_cannot_be_read_from_alone_loads_whole(tmp_path, llama_pair):
+    from specdec.runtime.loading import load_output_layer
+
+    draft = tmp_path / "draft"
+    load_model(str(llama_pair[0])).save_pretrained(draft)
+    assert load_output_layer(str(draft)) is not None
+    (draft / "config.json").write_text("{not json")  # from_config cannot build it
+    assert load_output_layer(str(draft)) is None  # the service then loads the whole model
+    assert load_output_layer(str(tmp_path / "nowhere")) is None
+
+
 @pytest.mark.parametrize("kind", ["untied llama", "gpt2", "tied", "sharded", "bfloat16"])
 def test_the_target_reads_the_draft_output_layer_alone(
     tmp_path, monkeypatch, llama_pair, gpt2_pair, kind

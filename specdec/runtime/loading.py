@@ -79,7 +79,13 @@ def load_output_layer(path: str, trust_remote_code: bool = False):
     directory of safetensors, or the checkpoint names the weight differently): then
     load the whole model. What a target needs of the draft for the hidden-state wire
     (``specdec.hidden_q``), without holding the draft's layers even for a moment."""
-    root = Path(path)
+    try:
+        return _output_layer_alone(Path(path), trust_remote_code)
+    except Exception:  # the whole model's load then says what is wrong
+        return None
+
+
+def _output_layer_alone(root: Path, trust_remote_code: bool):
     index = root / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -88,7 +94,7 @@ def load_output_layer(path: str, trust_remote_code: bool = False):
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         return None
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(str(root), trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     weight = getattr(model.get_output_embeddings(), "weight", None)
