@@ -1,4 +1,5 @@
-"""What one drafted position costs the draft service, per wire, at T=1.
+"""What one drafted position costs the draft service, per wire, at T=1, and what
+unpacking a proposal costs the target.
 
 A position is one forward of one token through the draft's runner (as
 ``Drafter._draft`` feeds it) and the q and draw for it:
@@ -13,6 +14,11 @@ A position is one forward of one token through the draft's runner (as
 * with ``--against REV``: **hidden at REV**, the head run too and
   ``hidden_position`` of ``specdec/hidden_q.py`` as of git revision REV.
 
+The target's side (``--gamma`` positions, 5 by default): the proposal parsed
+from its bytes and unpacked (``unpack_q``: validated, and for hidden states
+derived into q): **list**, **hidden** (the head packed for oneDNN, as the
+target keeps it: ``QuantHead.packed``) and **hidden, head not packed**.
+
 Models: the demo draft, and a random one-layer Qwen2-shaped draft with a
 151,936-token vocabulary and width 896 (Qwen2.5-0.5B's head, built in memory;
 ``--no-large`` skips it). One thread; the session's cache is rolled back after
@@ -21,7 +27,7 @@ modes position by position (order rotating), so that a slow spell of the
 machine falls on every mode alike; each cell is the median over all positions.
 
     python -m benchmarks.draft_position [--rounds 9] [--positions 200] [--top-k 1024]
-        [--against REV] [--no-large] [--out results/draft-position-<time>]
+        [--gamma 5] [--against REV] [--no-large] [--out results/draft-position-<time>]
 
 Prints a table; writes results.json and results.md.
 """
@@ -45,7 +51,8 @@ from specdec.hidden_q import QuantHead, hidden_position
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 from specdec.sampling import SamplingParams, draft_position
-from specdec.wire import DEFAULT_Q_BITS
+from specdec.v1 import common_pb2
+from specdec.wire import DEFAULT_Q_BITS, pack_q, unpack_q
 
 from .common import DEFAULT_DRAFT, machine_info, module_at
 
@@ -106,6 +113,36 @@ def modes(model, top_k: int, before: types.ModuleType | None) -> dict[str, Calla
     return got
 
 
+def unpack_modes(model, top_k: int, gamma: int) -> dict[str, Callable[[], None]]:
+    """The target's unpacking of one proposal of ``gamma`` positions, per wire, from
+    the draft's hidden states after a prompt."""
+    vocab = model.config.vocab_size
+    ids = torch.tensor([[(7 * i + 3) % vocab for i in range(32)]])
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1][0, -gamma:]  # [g, d]
+    logits = model.get_output_embeddings()(hidden)  # [gamma, vocab]
+    head = QuantHead.of_model(model)
+    rng = np.random.default_rng(0)
+    hidden_drawn = [hidden_position(head, h, PARAMS, rng) for h in hidden]
+    listed = [draft_position(z, PARAMS, top_k, 0.0, DEFAULT_Q_BITS, rng) for z in logits]
+
+    def unpack(drawn, quant=None):
+        sent = pack_q([q for _, q in drawn]).SerializeToString()
+        tokens = [x for x, _ in drawn]
+
+        def once():
+            pb = common_pb2.PackedQ()
+            pb.ParseFromString(sent)
+            unpack_q(pb, vocab, tokens, head=quant, params=PARAMS)
+
+        return once
+
+    return {
+        f"list (top-{top_k})": unpack(listed),
+        "hidden": unpack(hidden_drawn, head.packed()),
+        "hidden, head not packed": unpack(hidden_drawn, head),
+    }
+
+
 def measure(fs: dict[str, Callable[[], None]], rounds: int, positions: int) -> dict[str, dict]:
     """Per mode: the median time of one position, and each round's median. The modes
     take turns position by position (the order rotating), so that a slow spell of the
@@ -138,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--positions", type=int, default=200)
     ap.add_argument("--top-k", type=int, default=1024)
+    ap.add_argument("--gamma", type=int, default=5, help="positions of the target's proposal")
     ap.add_argument("--against", help="also hidden_position as of this git revision")
     ap.add_argument("--no-large", action="store_true", help="only the demo draft")
     ap.add_argument("--out", default=f"results/draft-position-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -150,13 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     models = {"demo draft (4,096 x 160)": lambda: load_model(str(DEFAULT_DRAFT))}
     if not args.no_large:
         models["random Qwen2 draft (151,936 x 896)"] = large_draft
-    results = {}
+    results, unpacks = {}, {}
     for label, build in models.items():
         model = build()
         large = model.config.vocab_size > 100_000
         positions = max(10, args.positions // 20) if large else args.positions
         with torch.inference_mode():
             results[label] = measure(modes(model, args.top_k, before), args.rounds, positions)
+            unpacks[label] = measure(
+                unpack_modes(model, args.top_k, args.gamma), args.rounds, positions
+            )
         del model
     info["load_average_end"] = list(os.getloadavg())
     against = f" `--against {args.against}`;" if args.against else ""
@@ -177,10 +218,23 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in res.items():
             shown = name.replace("before", args.against or "")
             lines.append(f"| {label} | {shown} | {r['us']:.0f} | {r['us'] / base:.2f} |")
+    lines += [
+        "",
+        f"The target unpacking a proposal of {args.gamma} positions:",
+        "",
+        "| draft | wire | us per proposal | vs list |",
+        "|---|---|---|---|",
+    ]
+    for label, res in unpacks.items():
+        base = res[f"list (top-{args.top_k})"]["us"]
+        for name, r in res.items():
+            lines.append(f"| {label} | {name} | {r['us']:.0f} | {r['us'] / base:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps({"info": info, "results": results, "unpack": unpacks}, indent=1)
+    )
     return 0
 
 
