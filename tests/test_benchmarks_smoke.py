@@ -318,3 +318,5 @@ def test_draft_position_writes_results(tmp_path):
     }  # fmt: skip
     assert all(m["us"] > 0 for m in modes.values())
     assert "| hidden at HEAD |" in (tmp_path / "results.md").read_text()
+    (unpacks,) = json.loads((tmp_path / "results.json").read_text())["unpack"].values()
+    assert set(unpacks) == {"list (top-1024)", "hidden", "hidden, head not packed"}
