@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.request import urlopen
 
 import grpc
+import yaml
 
 from specdec.local.stack import Stack, start_local, write_config
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
@@ -105,6 +106,19 @@ def module_at(rev: str, path: str) -> types.ModuleType:
     sys.modules[module.__name__] = module  # (dataclasses look their module up)
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     return module
+
+
+def service_settings(pairs: list[str], option: str = "--set") -> dict[str, dict]:
+    """``option``'s ``section.key=value`` pairs (a YAML value) as start_services'
+    settings."""
+    out: dict[str, dict] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        section, _, name = key.partition(".")
+        if not (section and name and _):
+            raise SystemExit(f"{option} {pair}: want section.key=value")
+        out.setdefault(section, {})[name] = yaml.safe_load(value)
+    return out
 
 
 def machine_info(device: str) -> dict:

@@ -34,11 +34,16 @@ import statistics
 import time
 from pathlib import Path
 
-import yaml
-
 from specdec.local.proxy import ProxyGroup
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    machine_info,
+    service_settings,
+    start_services,
+)
 from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side_header
 from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
 
@@ -89,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
     info["check_min_requests"] = args.check_min_requests
-    services: dict[str, dict] = {}
-    for kv in args.services_set:
-        key, value = kv.split("=", 1)
-        section, name = key.split(".", 1)
-        services.setdefault(section, {})[name] = _value(value)
+    services = service_settings(args.services_set, "--services-set")
     info["services_set"], info["every_set"] = args.services_set, args.every_set
     stack = start_services(
         out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1, settings=services
@@ -202,11 +203,6 @@ def main(argv: list[str] | None = None) -> int:
             )
     save_side_by_side(out, lines, info, rates, med)
     return 0
-
-
-def _value(text: str):
-    """A YAML scalar: true, 3, 0.5 or a string."""
-    return yaml.safe_load(text)
 
 
 if __name__ == "__main__":

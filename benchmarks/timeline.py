@@ -36,8 +36,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from specdec import tracing
 
 from .common import (
@@ -46,6 +44,7 @@ from .common import (
     PROMPTS,
     Client,
     machine_info,
+    service_settings,
     start_services,
 )
 from .plain_runs import side_by_side_header
@@ -167,18 +166,6 @@ def critical_path(steps: list[list[Mark]]) -> dict:
     return out
 
 
-def settings(pairs: list[str]) -> dict[str, dict]:
-    """``--set section.key=value`` (a YAML value) as start_services' settings."""
-    out: dict[str, dict] = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        section, _, name = key.partition(".")
-        if not (section and name and _):
-            raise SystemExit(f"--set {pair}: want section.key=value")
-        out.setdefault(section, {})[name] = yaml.safe_load(value)
-    return out
-
-
 def run(args) -> dict:
     out = Path(args.out)
     trace_dir = out / "trace"
@@ -189,7 +176,12 @@ def run(args) -> dict:
     os.environ[tracing.ENV] = str(trace_dir)
     try:
         stack = start_services(
-            out, args.draft, args.target, threads=1, draft_threads=1, settings=settings(args.set)
+            out,
+            args.draft,
+            args.target,
+            threads=1,
+            draft_threads=1,
+            settings=service_settings(args.set),
         )
     finally:
         del os.environ[tracing.ENV]
