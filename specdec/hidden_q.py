@@ -132,19 +132,22 @@ class QuantHead:
         repacks the matrix on every call: for 5 rows at 4,096 x 160 it took 223 us
         against 87 packed, at 151,936 x 896 114 ms against 29 (one row is faster
         unpacked: the draft's case). Only on the CPU in float32; else unchanged."""
+        # Imported here: it loads the model runtime, which the orchestrator (this
+        # module's user through specdec.wire) has no use for.
+        from specdec.runtime import packed_linear
+
         m = self.matrix
-        usable = m is not None and m.device.type == "cpu" and m.dtype == torch.float32
-        if not (usable and torch.backends.mkldnn.is_available()):
+        if m is None or m.dtype != torch.float32 or not packed_linear.available(m.device, m.dtype):
             return self
-        onednn = torch.ops.mkldnn._reorder_linear_weight(m.T.contiguous())
-        return replace(self, matrix=None, onednn=onednn)
+        return replace(self, matrix=None, onednn=packed_linear.pack(m.T.contiguous()))
 
     def product(self, codes: np.ndarray) -> torch.Tensor:
         """codes [n, d] int8 -> their dot products with every row of the head [n, vocab]:
         integers, exact (see the module's docstring), on the head's device."""
-        if self.onednn is not None:
-            lhs = torch.from_numpy(codes.astype(np.float32))
-            return torch.ops.mkldnn._linear_pointwise(lhs, self.onednn, None, "none", [], "")
+        if self.onednn is not None:  # (packed() loaded the module)
+            from specdec.runtime.packed_linear import multiply
+
+            return multiply(torch.from_numpy(codes.astype(np.float32)), self.onednn)
         exact = np.float32 if self.matrix.dtype == torch.float32 else np.float64
         return torch.from_numpy(codes.astype(exact)).to(self.matrix.device) @ self.matrix
 

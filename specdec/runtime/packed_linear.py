@@ -78,13 +78,21 @@ class PackedLinear(nn.Module):
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
-        y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
+        y = multiply(flat, self._packed, self.bias)
         return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] in oneDNN's blocked layout for its inner product."""
     return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def multiply(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, in] times a ``pack``-ed weight [out, in], transposed (plus bias):
+    [rows, out], oneDNN's inner product."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def install(model: nn.Module) -> list[PackedLinear]:
