@@ -74,13 +74,14 @@ def large_draft() -> torch.nn.Module:
     return Qwen2ForCausalLM(config).eval()
 
 
-def modes(model, top_k: int, before: types.ModuleType | None) -> dict[str, Callable[[], None]]:
+def modes(
+    model, head: QuantHead, top_k: int, before: types.ModuleType | None
+) -> dict[str, Callable[[], None]]:
     """Each mode's one position, on a session of 32 tokens that it leaves as it was."""
     runner = RaggedRunner(model)
     vocab = model.config.vocab_size
     kv = SessionKV()
     runner.forward([Feed(kv, [(7 * i + 3) % vocab for i in range(32)], 0)])
-    head = QuantHead.of_model(model)
     old_head = before.QuantHead.of_model(model) if before is not None else None
     rng = np.random.default_rng(0)
     token = [5]
@@ -113,14 +114,13 @@ def modes(model, top_k: int, before: types.ModuleType | None) -> dict[str, Calla
     return got
 
 
-def unpack_modes(model, top_k: int, gamma: int) -> dict[str, Callable[[], None]]:
+def unpack_modes(model, head: QuantHead, top_k: int, gamma: int) -> dict[str, Callable[[], None]]:
     """The target's unpacking of one proposal of ``gamma`` positions, per wire, from
     the draft's hidden states after a prompt."""
     vocab = model.config.vocab_size
     ids = torch.tensor([[(7 * i + 3) % vocab for i in range(32)]])
     hidden = model(ids, output_hidden_states=True).hidden_states[-1][0, -gamma:]  # [g, d]
     logits = model.get_output_embeddings()(hidden)  # [gamma, vocab]
-    head = QuantHead.of_model(model)
     rng = np.random.default_rng(0)
     hidden_drawn = [hidden_position(head, h, PARAMS, rng) for h in hidden]
     listed = [draft_position(z, PARAMS, top_k, 0.0, DEFAULT_Q_BITS, rng) for z in logits]
@@ -194,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         large = model.config.vocab_size > 100_000
         positions = max(10, args.positions // 20) if large else args.positions
         with torch.inference_mode():
-            results[label] = measure(modes(model, args.top_k, before), args.rounds, positions)
+            head = QuantHead.of_model(model)  # quantized once, for both sides
+            results[label] = measure(modes(model, head, args.top_k, before), args.rounds, positions)
             unpacks[label] = measure(
-                unpack_modes(model, args.top_k, args.gamma), args.rounds, positions
+                unpack_modes(model, head, args.top_k, args.gamma), args.rounds, positions
             )
         del model
     info["load_average_end"] = list(os.getloadavg())
@@ -210,25 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, the modes taking turns position by position; one thread; "
         "medians over positions.",
         "",
-        "| draft | mode | us per position | vs list |",
-        "|---|---|---|---|",
     ]
-    for label, res in results.items():
-        base = res[f"list (top-{args.top_k})"]["us"]
-        for name, r in res.items():
-            shown = name.replace("before", args.against or "")
-            lines.append(f"| {label} | {shown} | {r['us']:.0f} | {r['us'] / base:.2f} |")
-    lines += [
-        "",
-        f"The target unpacking a proposal of {args.gamma} positions:",
-        "",
-        "| draft | wire | us per proposal | vs list |",
-        "|---|---|---|---|",
-    ]
-    for label, res in unpacks.items():
-        base = res[f"list (top-{args.top_k})"]["us"]
-        for name, r in res.items():
-            lines.append(f"| {label} | {name} | {r['us']:.0f} | {r['us'] / base:.2f} |")
+    base = f"list (top-{args.top_k})"
+    lines += _table(results, "mode", "us per position", base, args.against)
+    lines += ["", f"The target unpacking a proposal of {args.gamma} positions:", ""]
+    lines += _table(unpacks, "wire", "us per proposal", base, args.against)
     text = "\n".join(lines) + "\n"
     print(text)
     (out / "results.md").write_text(text)
@@ -236,6 +223,18 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"info": info, "results": results, "unpack": unpacks}, indent=1)
     )
     return 0
+
+
+def _table(
+    results: dict[str, dict], kind: str, unit: str, base: str, against: str | None
+) -> list[str]:
+    """Markdown rows of each draft's modes, against the ``base`` mode."""
+    rows = [f"| draft | {kind} | {unit} | vs list |", "|---|---|---|---|"]
+    for label, res in results.items():
+        for name, r in res.items():
+            shown = name.replace("before", against or "")
+            rows.append(f"| {label} | {shown} | {r['us']:.0f} | {r['us'] / res[base]['us']:.2f} |")
+    return rows
 
 
 if __name__ == "__main__":
