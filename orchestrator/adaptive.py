@@ -183,9 +183,16 @@ class PlainGuard:
     from its start to the next step's start (so the orchestrator's own work
     counts); a request's prefill is charged too, with no tokens (under load it
     waits behind the others' drafting, a cost of speculation). An epoch's
-    tokens / seconds update its arm's rate, exponentially weighted. The faster
-    arm leads; the other runs one epoch in ``_TRIAL_EVERY`` (``_TRIAL_EVERY_FAR``
-    while far behind) so that a change of load or network shows. Per
+    tokens / seconds update its arm's rate, exponentially weighted, except in the
+    warm-up (``_WARMUP_EPOCHS`` of each arm, alternating), where an arm's latest
+    epoch replaces its earlier ones: an orchestrator's first epochs may meet cold
+    services (first passes, empty caches), and a cold first epoch smoothed in
+    weighs on its arm through several trial epochs. (Before 2026-12-02 the first
+    epoch kept most of the weight; a lone client was once held in plain decoding
+    for a whole 8 s run, at 0.60 of speculation's rate, after such a start.)
+    The faster arm leads; the other runs one epoch in ``_TRIAL_EVERY``
+    (``_TRIAL_EVERY_FAR`` while far behind) so that a change of load or network
+    shows. Per
     request-second, the two rates compare what every concurrent request gets, so
     the cost of speculation to the others under load (rejected tokens in shared
     passes, a draft competing for cores) is in them.
@@ -239,6 +246,8 @@ class PlainGuard:
         tokens, seconds = self._window[arm]
         self._window[arm] = [0.0, 0.0]
         if seconds > 0:
+            if self.epochs[arm] < _WARMUP_EPOCHS:  # warming up: the latest epoch only
+                self.rates[arm] = _Ratio(0.0, _EPOCH_SMOOTH)
             self.rates[arm].add(tokens, seconds)
             metrics.MEASURED_RATE.labels(arm).set(self.rates[arm].value)
         self.epochs[arm] += 1

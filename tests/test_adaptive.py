@@ -239,6 +239,23 @@ def test_plain_decoding_that_measures_faster_leads_and_the_model_gets_trials():
     assert cost.guard(False, 4).epochs == {"model": 0, "plain": 0}
 
 
+def test_a_cold_first_epoch_does_not_decide_the_leader():
+    """The first epochs meet cold services: speculation's first epoch measures a
+    tenth of its rate. The warm-up's second epoch of each arm replaces its first, so
+    the model leads from the warm-up on (smoothed in, the cold epoch kept plain
+    decoding ahead through the trial epochs that followed)."""
+    guard = PlainGuard()
+    assert _run_epochs(guard, {"model": 13.0, "plain": 100.0}, 1) == ["model"]
+    arms = _run_epochs(guard, {"model": 130.0, "plain": 100.0}, 24)
+    assert arms[:3] == ["plain", "model", "plain"]  # the rest of the warm-up
+    assert guard.leader == "model" and abs(guard.rates["model"].value - 130.0) < 1e-6
+    assert arms[3:].count("plain") <= 2  # trials only
+    # After the warm-up an epoch is smoothed in again: one slow epoch is not the rate.
+    guard.arm = "model"
+    _run_epochs(guard, {"model": 13.0, "plain": 100.0}, 1)
+    assert 4 * 13.0 < guard.rates["model"].value < 130.0
+
+
 def test_each_load_has_its_own_check_and_a_new_load_starts_from_the_nearest():
     """Plain decoding measured faster with 32 requests at once says nothing about one
     request: the two loads keep their own rates and leaders. A load seen for the
