@@ -286,6 +286,32 @@ def test_verify_greedy_accepts_exactly_the_argmax():
     assert step_tokens(drafts, n, r.residual_tokens, r.bonus_token) == [3, 4, 5]
 
 
+@pytest.mark.parametrize("vocab", [50, 4096, 151_936])
+def test_a_plain_token_is_drawn_as_the_general_path_draws_it(vocab):
+    """A draw without drafts (every token of a plain run) takes a numpy path of its
+    own; it must give the token the general path gives (``inverse_cdf`` over p in
+    float64), the same uniform in, for every warping, and refuse NaN as it does."""
+    g = torch.Generator().manual_seed(vocab)
+    warps = [
+        SamplingParams(1.0),
+        SamplingParams(0.7, top_k=40),
+        SamplingParams(1.3, top_p=0.9),
+        SamplingParams(0.5, top_k=100, top_p=0.8),
+    ]
+    for i in range(200 if vocab < 100_000 else 12):
+        logits = torch.randn(1, vocab, generator=g) * float(0.5 + 4 * torch.rand(1, generator=g))
+        params = warps[i % len(warps)]
+        u = torch.rand(1, generator=g, dtype=torch.float64)
+        if i % 10 == 0:  # at the edges of [0, 1)
+            u[0] = 0.0 if i % 20 == 0 else 1.0 - 2**-53
+        got = verify_draft(logits, [], [], params, u).bonus_token
+        want = int(sampling.inverse_cdf(probs_from_logits(logits, params).double(), u)[0])
+        assert got == want, (i, params)
+    logits[0, 3] = float("nan")
+    with pytest.raises(NonFiniteLogits):
+        verify_draft(logits, [], [], SamplingParams(1.0), torch.zeros(1, dtype=torch.float64))
+
+
 # ---- statistical: one whole step, many times, in-process -------------------------------
 
 
