@@ -13,9 +13,9 @@ tokens (a = the acceptance rate of a judged draft) and costs, in seconds:
   request keeps the bonus instead: it drafts the next block one token longer
   (D(g + 1)) and uses it when that token is the bonus (chance a^(g+1)), so its
   steps emit E(a, g)
-* plain decoding (g = 0): a run of k tokens (``plain_run_tokens``; fewer at a
-  request's start) costs R_t + k P and emits k tokens (P: a run's pass, timed
-  on its own),
+* plain decoding (g = 0): a run of k tokens (``plain_run_tokens``, or
+  ``plain_run_tokens_busy`` while other requests generate; fewer at a request's
+  start) costs R_t + k P and emits k tokens (P: a run's pass, timed on its own),
 
 where R_d, R_t are the round trips to each service beyond its compute
 (network, gRPC), D(g) = D_0 + g d the draft's time to draft g tokens (a part

@@ -577,12 +577,16 @@ class Generation:
 
     def plain_run(self, remaining: int) -> int:
         """Tokens the target draws in a row if this step is plain (no draft): up to
-        ``plain_run_tokens``, and at most one more than the request has emitted so
-        far (1, 2, 4, 8, ...: the first tokens come as early as one at a time would
-        give them). A run saves a round trip per token. Never for dense diagnostics."""
+        ``plain_run_tokens`` (``plain_run_tokens_busy`` while other requests generate
+        too), and at most one more than the request has emitted so far (1, 2, 4, 8,
+        ...: the first tokens come as early as one at a time would give them). A run
+        saves a round trip per token, and under load keeps the session in the
+        target's shared passes. Never for dense diagnostics."""
         if self.spec.dense:
             return 1
-        return max(1, min(remaining, self.o.plain_run_tokens, self.pushed + 1))
+        o = self.o
+        most = o.plain_run_tokens_busy if self.orch.load() >= 2 else o.plain_run_tokens
+        return max(1, min(remaining, most, self.pushed + 1))
 
     def observe(
         self, drafted, verdict, t_propose: float, t_verify: float, relayed: bool = False

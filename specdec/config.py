@@ -167,6 +167,14 @@ class OrchestratorConfig:
     # a round trip per token; at most one more than the request has emitted so
     # far (1, 2, 4, 8 at its start). 1 = one token per round trip.
     plain_run_tokens: int = 8
+    # The same while two or more requests generate at once (the orchestrator's
+    # load: the most in about the last second). A session then leaves the target's
+    # shared passes less often, and each time it does the forward loop may wait for
+    # it (side by side with 8 at 2-32 clients: plain decoding 1.00-1.06x, adaptive
+    # 0.94-1.17x, medians of 6 paired rounds; docs/benchmarks.md).
+    # A lone request keeps plain_run_tokens: its stream comes in small chunks.
+    # Set it to plain_run_tokens to turn this off.
+    plain_run_tokens_busy: int = 32
     # Most tokens each q lists on the wire (0 = no limit), and the mass it may
     # leave to its tail (spread evenly over every other token). The draft samples
     # from exactly what it sends: these cost acceptance, never exactness.
@@ -285,6 +293,7 @@ _POSITIVE = {
     "max_gamma",
     "adaptive_plain_check_min_requests",
     "plain_run_tokens",
+    "plain_run_tokens_busy",
     "max_new_tokens",
     "max_prompt_tokens",
     "max_concurrent_requests",
@@ -412,10 +421,11 @@ def _validate(cfg: Config) -> None:
         )
     if not 0.0 <= orch.wire_eps < 0.5:
         raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")
-    if orch.plain_run_tokens > MAX_GAMMA:
-        raise ConfigError(
-            f"orchestrator.plain_run_tokens: must be <= {MAX_GAMMA}, got {orch.plain_run_tokens}"
-        )
+    for key in ("plain_run_tokens", "plain_run_tokens_busy"):
+        if getattr(orch, key) > MAX_GAMMA:
+            raise ConfigError(
+                f"orchestrator.{key}: must be <= {MAX_GAMMA}, got {getattr(orch, key)}"
+            )
     if orch.gamma > orch.max_gamma:
         raise ConfigError(
             f"orchestrator.gamma: must be <= orchestrator.max_gamma ({orch.max_gamma}), "

@@ -46,6 +46,29 @@ def test_greedy_runs_equal_generate_and_ramp_up(llama_pair):
     asyncio.run(scenario())
 
 
+def test_runs_grow_while_other_requests_generate(llama_pair):
+    """A lone request's runs stop at plain_run_tokens (its stream in small chunks);
+    while two generate at once, at plain_run_tokens_busy (fewer trips out of the
+    target's shared passes). The output is generate()'s either way."""
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("plain runs under load")
+    want = _reference(target, ids, 48)
+
+    async def scenario():
+        settings = {"plain_run_tokens": 4, "plain_run_tokens_busy": 16}
+        async with in_process(draft, target, **settings) as system:
+            kw = {"prompt": ids, "max_new_tokens": 48, "temperature": 0.0, "gamma": 0}
+            got, _, alone = await system.generate(**kw)
+            assert got == want and alone.steps == 14  # 1, 2, 4, then 4s: 41 = 10 x 4 + 1
+        async with in_process(draft, target, **settings) as system:
+            pair = await asyncio.gather(system.generate(**kw), system.generate(**kw))
+            for got, _, stats in pair:
+                assert got == want
+                assert stats.steps == 7  # 1, 2, 4, 8, 16, 16, 1
+
+    asyncio.run(scenario())
+
+
 def test_a_run_stops_after_eos(llama_pair):
     draft, target = llama_pair
     ids = load_tokenizer(str(target)).encode("a run, then")
