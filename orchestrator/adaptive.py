@@ -192,10 +192,9 @@ class PlainGuard:
     for a whole 8 s run, at 0.60 of speculation's rate, after such a start.)
     The faster arm leads; the other runs one epoch in ``_TRIAL_EVERY``
     (``_TRIAL_EVERY_FAR`` while far behind) so that a change of load or network
-    shows. Per
-    request-second, the two rates compare what every concurrent request gets, so
-    the cost of speculation to the others under load (rejected tokens in shared
-    passes, a draft competing for cores) is in them.
+    shows. Per request-second, the two rates compare what every concurrent
+    request gets, so the cost of speculation to the others under load (rejected
+    tokens in shared passes, a draft competing for cores) is in them.
     The price of the check is its trial epochs: a sixth of the time in the
     slower arm while the two are close, a twelfth when it is more than 8% slower.
     Epochs count the requests' time, not the clock's: an idle pool or one serving
