@@ -566,18 +566,6 @@ def inverse_cdf(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_max(rows.shape[-1] - 1)
 
 
-def _inverse_cdf_row(row: np.ndarray, u: float) -> int:
-    """``inverse_cdf`` of one row on the CPU, in numpy: the same float64 operations
-    (a sequential cumulative sum, u times the total, the first entry above it), so
-    the same token. row: [vocab] float32 or float64. About a third of the torch
-    path's time for a 4,096-token row, which a plain run pays once per token."""
-    cdf = np.cumsum(row, dtype=np.float64)  # [vocab]
-    total = float(cdf[-1])
-    if not (math.isfinite(total) and total > 0):
-        raise NonFiniteLogits(_NON_FINITE)
-    return min(int(np.searchsorted(cdf, u * total, side="right")), len(row) - 1)
-
-
 @dataclass
 class Proposal:
     """The draft's half of a step: x_1..x_gamma and the q each was drawn from."""
@@ -644,10 +632,11 @@ def verify_draft(
     gamma = len(draft_tokens)
     if len(qs) != gamma:
         raise ValueError(f"{gamma} drafted tokens but {len(qs)} distributions")
-    if not gamma and not keep_p and not pit and not params.greedy and _numpy_reads(logits):
-        # A plain token (every token of a plain run): one draw from p, nothing else.
-        row = probs_from_logits(logits, params)[0].numpy()  # [vocab]
-        return Verdict([], [], [], _inverse_cdf_row(row, float(u[0])))
+    if not gamma and not keep_p and not pit and not params.greedy:
+        # A plain token (every token of a plain run): the bonus draw from p, nothing
+        # else (the path below takes 61 us for it at 4,096 tokens on a CPU, this 34).
+        p = probs_from_logits(logits, params)  # [1, vocab]
+        return Verdict([], [], [], int(inverse_cdf(p, u[:1])[0]))
     entries = q_entries(qs) if gamma else None
     q_draft = drafted_probs(qs, draft_tokens, entries)  # [gamma]
     if params.greedy:

@@ -288,7 +288,7 @@ def test_verify_greedy_accepts_exactly_the_argmax():
 
 @pytest.mark.parametrize("vocab", [50, 4096, 151_936])
 def test_a_plain_token_is_drawn_as_the_general_path_draws_it(vocab):
-    """A draw without drafts (every token of a plain run) takes a numpy path of its
+    """A draw without drafts (every token of a plain run) takes a short path of its
     own; it must give the token the general path gives (``inverse_cdf`` over p in
     float64), the same uniform in, for every warping, and refuse NaN as it does."""
     g = torch.Generator().manual_seed(vocab)
