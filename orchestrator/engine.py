@@ -110,6 +110,7 @@ class Orchestrator:
             count_lead=o.adaptive_draft_lead,
             explore_tokens=o.adaptive_explore_tokens,
             explore_per_request=o.adaptive_explore_per_request,
+            overlap_max_requests=o.adaptive_overlap_max_requests,
         )
         self.monitor = ExactnessMonitor(o.monitor_fraction, o.monitor_window)
         for stage in ("propose", "verify", "rollback", "orchestrator"):

@@ -78,6 +78,25 @@ def test_overlap_when_the_draft_can_hide_behind_the_verify():
     assert m.rate(gamma, 0.8, True) > m.rate(gamma, 0.8, False)
 
 
+def test_adaptive_requests_draft_ahead_only_while_alone_unless_configured():
+    """Under load the draft is shared, and a block drafted ahead and discarded delays
+    the other sessions' drafts: adaptive requests draft ahead only up to
+    ``overlap_max_requests`` requests at once. A request that asks for a fixed gamma
+    with drafting ahead keeps it."""
+    m = model(rtt=0.005)
+    alone = RequestPolicy(m, gamma=None, overlap=True, load=1)
+    gamma, overlap = alone.choose(16)
+    assert overlap and gamma >= 1
+    busy = RequestPolicy(m, gamma=None, overlap=True, load=2)
+    assert busy.choose(16) == m.choose(0.7, 16, allow_overlap=False)
+    assert not busy.choose(16)[1]
+    m.overlap_max_requests = 4
+    assert busy.choose(16)[1]
+    m.overlap_max_requests = 0  # never
+    assert not alone.choose(16)[1]
+    assert RequestPolicy(m, gamma=4, overlap=True, load=8).choose(16) == (4, True)
+
+
 def test_a_chained_step_has_no_bonus_so_hiding_a_cheap_draft_does_not_pay():
     m = model(rtt=0.005)
     tokens = expected_tokens_per_step(0.8, 4) - 0.8**4  # chains with chance 0.8^4
