@@ -47,8 +47,9 @@ left out while more than ``overlap_max_requests`` requests generate (one by
 default): the draft is then shared, and a block drafted ahead and discarded
 (most are, under load) delays the other sessions' drafts, a cost that no
 step's own time shows to the calibration below. Side by side on one
-orchestrator, adaptive requests without drafting ahead measured 1.02x at 4
-clients and 1.055x at 8 (docs/benchmarks.md, "Drafting ahead under load").
+orchestrator, adaptive requests without drafting ahead measured 1.00-1.055x
+the throughput at 2-16 clients (paired medians of two runs; docs/benchmarks.md,
+"Drafting ahead under load").
 
 **Calibrated by the steps themselves.** The terms above are measured one by
 one; what they leave out (the draft drafting ahead competing with the

@@ -143,9 +143,9 @@ class OrchestratorConfig:
     # Adaptive requests draft ahead only while at most this many requests generate
     # at once (the orchestrator's load: the most in about the last second; 0: never).
     # Under load the draft is shared: a block drafted ahead and discarded delays the
-    # other sessions' drafts, a cost no step's own time shows (side by side at 4
-    # and 8 clients: 1.02x and 1.055x the throughput; docs/benchmarks.md, "Drafting
-    # ahead under load").
+    # other sessions' drafts, a cost no step's own time shows (side by side at 2-16
+    # clients: 1.00-1.055x the throughput; docs/benchmarks.md, "Drafting ahead
+    # under load").
     adaptive_overlap_max_requests: int = 1
     # Check the cost model's choices against plain decoding by measurement: the
     # adaptive requests decode plain in trial epochs, and plain decoding leads
