@@ -47,3 +47,20 @@ def test_the_held_out_best_is_not_biased_like_the_largest_median():
         held.append(r["ratio"])
     assert statistics.mean(in_sample) < 0.97
     assert abs(statistics.mean(held) - 1.0) < 0.015
+
+
+def test_pass_cost_fit_tells_a_session_from_its_tokens():
+    """``benchmarks.pass_cost.fit`` recovers a pass's parts from a grid made with them:
+    what every pass pays, what a token adds, and what a session adds beyond its tokens."""
+    from benchmarks.pass_cost import fit
+
+    a, b, c = 4.0, 0.2, 0.5
+    rows = [
+        {"context": 100, "tokens_per_session": n, "sessions": s,
+         "ms": a + b * n * s + c * s, "one_session_ms": a + b * n * s + c}
+        for n in (1, 5) for s in (1, 2, 4, 8)
+    ]  # fmt: skip
+    got = fit(rows)["100"]
+    assert got["a_ms"] == pytest.approx(a)
+    assert got["b_ms_per_token"] == pytest.approx(b)
+    assert got["c_ms_per_session"] == pytest.approx(c)

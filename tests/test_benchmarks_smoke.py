@@ -320,3 +320,23 @@ def test_draft_position_writes_results(tmp_path):
     assert "| hidden at HEAD |" in (tmp_path / "results.md").read_text()
     (unpacks,) = json.loads((tmp_path / "results.json").read_text())["unpack"].values()
     assert set(unpacks) == {"list (top-1024)", "hidden", "hidden, head not packed"}
+
+
+def test_pass_cost_writes_results(tmp_path, llama_pair):
+    """``benchmarks.pass_cost`` on the tiny pair: a pass time for every cell of the
+    grid, both ways, a fit per model and context, and the report and plot."""
+    draft, target = llama_pair
+    _run_module(
+        "benchmarks.pass_cost", "--draft", str(draft), "--target", str(target),
+        "--sessions", "1", "2", "--tokens", "1", "3", "--contexts", "8", "--passes", "2",
+        "--cold", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    for role in ("target", "draft"):
+        grid = result["models"][role]["grid"]
+        assert len(grid) == 4 and all(r["ms"] > 0 and r["one_session_ms"] > 0 for r in grid)
+        assert set(result["models"][role]["fit"]["8"]) == {
+            "a_ms", "b_ms_per_token", "c_ms_per_session"
+        }  # fmt: skip
+    assert "| 8 | 3 | 2 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "pass_cost.png").stat().st_size > 0
