@@ -97,7 +97,11 @@ def _median_ms(runner: RaggedRunner, arms, passes: int, flush) -> list[float]:
 
 def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Per context: pass ms = a + b * tokens + c * sessions, least squares over the
-    grid (the one-session passes included: they tell tokens from sessions)."""
+    grid (the one-session passes included: they tell tokens from sessions). Beside
+    it, ``line_ms_per_token``: the slope of a line in tokens alone through the
+    passes of the most tokens per session, sessions varying, which is what a line
+    fitted to verify passes under load sees (``orchestrator.adaptive``'s
+    ``target_pass``): b + c / tokens per session."""
     out = {}
     for context in sorted({r["context"] for r in rows}):
         xs, ys = [], []
@@ -108,10 +112,17 @@ def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
             xs += [[1.0, tokens, r["sessions"]], [1.0, tokens, 1.0]]
             ys += [r["ms"], r["one_session_ms"]]
         (a, b, c), *_ = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)
+        n = max(r["tokens_per_session"] for r in rows if r["context"] == context)
+        verify = [r for r in rows if r["context"] == context and r["tokens_per_session"] == n]
+        line = float("nan")
+        if len({r["sessions"] for r in verify}) > 1:
+            x = np.array([n * r["sessions"] for r in verify], dtype=float)
+            line = float(np.polyfit(x, np.array([r["ms"] for r in verify]), 1)[0])
         out[str(context)] = {
             "a_ms": float(a),
             "b_ms_per_token": float(b),
             "c_ms_per_session": float(c),
+            "line_ms_per_token": line,
         }
     return out
 
@@ -139,12 +150,16 @@ def report(result: dict) -> str:
                 f"| {r['context']} | {r['tokens_per_session']} | {r['sessions']} | "
                 f"{r['ms']:.2f} | {r['one_session_ms']:.2f} | {r['ms'] / r['one_session_ms']:.2f} |"
             )
-        lines += ["", "| context | a (ms a pass) | b (ms a token) | c (ms a session) |",
-                  "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "| context | a (ms a pass) | b (ms a token) | c (ms a session) "
+            "| a line in tokens alone (ms a token) |",
+            "|---|---|---|---|---|",
+        ]
         for context, f in part["fit"].items():
             lines.append(
                 f"| {context} | {f['a_ms']:.2f} | {f['b_ms_per_token']:.3f} | "
-                f"{f['c_ms_per_session']:.3f} |"
+                f"{f['c_ms_per_session']:.3f} | {f['line_ms_per_token']:.3f} |"
             )
         lines.append("")
     return "\n".join(lines)

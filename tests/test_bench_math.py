@@ -51,7 +51,8 @@ def test_the_held_out_best_is_not_biased_like_the_largest_median():
 
 def test_pass_cost_fit_tells_a_session_from_its_tokens():
     """``benchmarks.pass_cost.fit`` recovers a pass's parts from a grid made with them:
-    what every pass pays, what a token adds, and what a session adds beyond its tokens."""
+    what every pass pays, what a token adds, and what a session adds beyond its tokens;
+    a line in tokens alone through the 5-token sessions' passes reads b + c / 5."""
     from benchmarks.pass_cost import fit
 
     a, b, c = 4.0, 0.2, 0.5
@@ -64,3 +65,4 @@ def test_pass_cost_fit_tells_a_session_from_its_tokens():
     assert got["a_ms"] == pytest.approx(a)
     assert got["b_ms_per_token"] == pytest.approx(b)
     assert got["c_ms_per_session"] == pytest.approx(c)
+    assert got["line_ms_per_token"] == pytest.approx(b + c / 5)

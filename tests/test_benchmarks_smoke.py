@@ -336,7 +336,7 @@ def test_pass_cost_writes_results(tmp_path, llama_pair):
         grid = result["models"][role]["grid"]
         assert len(grid) == 4 and all(r["ms"] > 0 and r["one_session_ms"] > 0 for r in grid)
         assert set(result["models"][role]["fit"]["8"]) == {
-            "a_ms", "b_ms_per_token", "c_ms_per_session"
+            "a_ms", "b_ms_per_token", "c_ms_per_session", "line_ms_per_token"
         }  # fmt: skip
     assert "| 8 | 3 | 2 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "pass_cost.png").stat().st_size > 0
