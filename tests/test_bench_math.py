@@ -1,4 +1,4 @@
-"""The benchmark report's arithmetic (no models): the held-out best fixed gamma."""
+"""The benchmark report's arithmetic (no models): the held-out best fixed gamma, paired rounds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from benchmarks.report import held_out_best
+from benchmarks.report import criteria, held_out_best, paired_ratios, rounds_cell
 
 
 def test_each_round_is_compared_with_the_best_of_the_other_rounds():
@@ -66,3 +66,31 @@ def test_pass_cost_fit_tells_a_session_from_its_tokens():
     assert got["b_ms_per_token"] == pytest.approx(b)
     assert got["c_ms_per_session"] == pytest.approx(c)
     assert got["line_ms_per_token"] == pytest.approx(b + c / 5)
+
+
+def test_paired_ratios_divide_round_by_round():
+    assert paired_ratios([110.0, 90.0], [100.0, 100.0]) == pytest.approx([1.1, 0.9])
+    assert paired_ratios([110.0, 90.0], [100.0, 50.0], 0.5) == pytest.approx([0.55, 0.9])
+    # No spread to show: one round, rounds that do not pair, or no rounds.
+    assert paired_ratios([110.0], [100.0]) is None
+    assert paired_ratios([110.0, 90.0], [100.0, 100.0, 100.0]) is None
+    assert paired_ratios(None, [100.0, 100.0]) is None
+
+
+def test_a_criterion_carries_its_paired_rounds_and_says_how_many_meet():
+    r = {
+        "concurrency": {
+            "2": {
+                "plain": {"tok_s": 100.0, "runs": [100.0, 100.0, 80.0]},
+                "adaptive": {"tok_s": 95.0, "runs": [90.0, 101.0, 84.0]},
+            }
+        }
+    }
+    (c,) = [c for c in criteria(r) if c["criterion"].startswith("14: 2 clients")]
+    assert c["value"] == pytest.approx(0.95) and not c["met"]
+    assert c["rounds"] == pytest.approx([0.9, 1.01, 1.05])
+    assert rounds_cell(c) == "0.90-1.05, 2 of 3 meet"
+    # A goal to stay below counts the rounds at or under it.
+    low = {"goal": 1.0, "higher_is_better": False, "rounds": [0.9, 1.01, 1.0]}
+    assert rounds_cell(low) == "0.90-1.01, 2 of 3 meet"
+    assert rounds_cell({"rounds": None}) == "-"

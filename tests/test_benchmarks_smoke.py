@@ -98,6 +98,7 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
 
     md = (out / "results.md").read_text()
     assert "References, not goals" in (out / "results.md").read_text()
+    assert "| criterion | measured | goal | met | paired rounds |" in md
     assert "share, in step" in md and "c_step(g)" in md
     for heading in ("## Criteria", "## Services sharing the cores", "## Added round-trip",
                     "## Concurrent clients", "## The wire"):  # fmt: skip
