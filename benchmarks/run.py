@@ -95,10 +95,13 @@ class Plan:
     rtt_full_sweep_ms: list[float] = field(default_factory=lambda: [0.0, 2.0, 10.0])
     rtt_prompts: int = 3
     rtt_tokens: int = 48
-    rtt_repeats: int = 2
+    # Rounds per RTT point and per client count. One full run's rounds move by 10-20%
+    # (docs/benchmarks.md, "A full run with paired rounds"); with 2 rounds the held-out
+    # best fixed gamma is picked from one round. 4 and 3 add about 8 minutes.
+    rtt_repeats: int = 4
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     concurrency_requests: int = 2
-    concurrency_repeats: int = 2
+    concurrency_repeats: int = 3
     sustained_warm_s: float = 2.0  # per sustained round: not counted, then the window
     sustained_window_s: float = 5.0
     wire_ks: list[int] = field(default_factory=lambda: [64, 256, 1024])
