@@ -63,7 +63,9 @@ def held_out_best(candidate: list[float], fixed: dict[str, list[float]]) -> dict
     }
 
 
-def paired_ratios(a: list[float] | None, b: list[float] | None, scale: float = 1.0):
+def paired_ratios(
+    a: list[float] | None, b: list[float] | None, scale: float = 1.0
+) -> list[float] | None:
     """Round i of ``a`` over round i of ``b``, times ``scale``: one ratio per round.
     The benchmark's rounds interleave its configurations, so round i of each was
     measured close together in time, under the same spell of the machine. None
