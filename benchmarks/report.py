@@ -159,7 +159,7 @@ def _check(
     """A criterion's verdict; ``rounds``: the same ratio in each paired round
     (``paired_ratios``), so that a reader sees whether a miss or a pass is inside the
     run's own scatter."""
-    ok = value is not None and (value >= goal if higher else value <= goal)
+    ok = value is not None and _meets(value, goal, higher)
     return {
         "criterion": name,
         "value": value,
@@ -170,12 +170,16 @@ def _check(
     }
 
 
+def _meets(x: float, goal: float, higher: bool) -> bool:
+    return x >= goal if higher else x <= goal
+
+
 def rounds_cell(c: dict) -> str:
     """The paired rounds of a criterion as 'lowest-highest, k of n meet' ('-': none)."""
     xs = c.get("rounds")
     if not xs:
         return "-"
-    meet = sum(1 for x in xs if (x >= c["goal"] if c["higher_is_better"] else x <= c["goal"]))
+    meet = sum(1 for x in xs if _meets(x, c["goal"], c["higher_is_better"]))
     return f"{min(xs):.2f}-{max(xs):.2f}, {meet} of {len(xs)} meet"
 
 
@@ -269,7 +273,6 @@ def criteria(r: dict) -> list[dict]:
             adaptive = rows_[f"adaptive@{t}"]["tok_s"]
             vs_plain = paired_ratios(_runs(rows_[f"adaptive@{t}"]), _runs(rows_[f"plain@{t}"]))
             fixed_rows = {k: v for k, v in rows_.items() if k.endswith(f"@{t}") and k[0] in "so"}
-            fixed = [v["tok_s"] for v in fixed_rows.values()]
             if key == "10":
                 out.append(
                     _check(
@@ -279,12 +282,12 @@ def criteria(r: dict) -> list[dict]:
                         rounds=vs_plain,
                     )
                 )
-            if float(key) in r["plan"]["rtt_full_sweep_ms"] and fixed:
+            if float(key) in r["plan"]["rtt_full_sweep_ms"] and fixed_rows:
                 top = max(fixed_rows, key=lambda k: fixed_rows[k]["tok_s"])
                 out.append(
                     _check(
                         f"10: +{key} ms RTT: adaptive / best fixed gamma, {label}",
-                        adaptive / max(fixed),
+                        adaptive / fixed_rows[top]["tok_s"],
                         0.95,
                         rounds=paired_ratios(_runs(rows_[f"adaptive@{t}"]), _runs(fixed_rows[top])),
                     )
