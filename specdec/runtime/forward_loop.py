@@ -27,7 +27,9 @@ session never waits (its own next job is the one that arrives).
 plain decoding step ("decode") comes back after one round trip to the caller
 and nothing else, so waiting longer for it costs little and keeps plain runs
 of concurrent requests in one pass; a session leaving a verify comes back only
-after the draft's work, which the loop should not sit through.
+after the draft's work, which the loop should not sit through. Jobs of a
+``BACKGROUND`` kind (the draft's guesses: work nobody waits for yet) are never
+waited for, and never wait for others.
 
 Not for: what jobs compute (the draft and target services write them).
 """
@@ -49,6 +51,8 @@ from .ragged import Feed, RaggedRunner
 Job = Generator[Feed, torch.Tensor, Any]
 # A feed is "long" (a prefill) past this many tokens; shorter ones go first.
 LONG_FEED = 64
+# Kinds of job that nobody awaits yet: no forward waits on their account.
+BACKGROUND = frozenset({"guess"})
 
 
 @dataclass
@@ -142,7 +146,7 @@ class ForwardLoop:
             else:
                 # Let RPCs that arrived during the last forward add their jobs first.
                 await asyncio.sleep(0)
-            if self._returning and self._waiting:
+            if self._returning and any(p.kind not in BACKGROUND for p in self._waiting):
                 await self._gather()
             batch = self._select()
             if batch:
@@ -224,7 +228,7 @@ class ForwardLoop:
                 p.feed = p.job.send(out)
             except StopIteration as done:
                 wait = self.kind_wait_s.get(p.kind, self.batch_wait_s)
-                if wait > 0:
+                if wait > 0 and p.kind not in BACKGROUND:
                     self._returning[id(feed.kv)] = time.perf_counter() + wait
                 self._finish(p, result=done.value)
             except Exception as e:

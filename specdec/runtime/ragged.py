@@ -102,6 +102,29 @@ class SessionKV:
         removed, self.length = self.length - length, length
         return removed
 
+    def fork(self, length: int) -> SessionKV:
+        """A new cache holding a copy of this one's first ``length`` positions (a
+        branch that may diverge from here; this cache is not touched)."""
+        if not 0 <= length <= self.length:
+            raise FailedPrecondition(
+                f"cache_len: the session holds {self.length} tokens, cannot fork at {length}"
+            )
+        kv = SessionKV()
+        for k, v in zip(self.keys, self.values, strict=True):
+            if k is None:
+                kv.keys.append(None)
+                kv.values.append(None)
+                continue
+            cap = length + _MIN_CAPACITY  # room for a branch's few steps
+            new_k = k.new_empty(k.shape[0], cap, k.shape[2])  # [kv_heads, cap, head_dim]
+            new_v = v.new_empty(v.shape[0], cap, v.shape[2])
+            new_k[:, :length] = k[:, :length]
+            new_v[:, :length] = v[:, :length]
+            kv.keys.append(new_k)
+            kv.values.append(new_v)
+        kv.length = length
+        return kv
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
