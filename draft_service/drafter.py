@@ -18,6 +18,21 @@ if every draft is accepted. So the draft drafts on only on a verdict that
 rejects a draft, after the block drafted ahead if that is being drafted; and a
 propose for that block that comes after the verdict is answered with no
 tokens: the orchestrator, settling the same verdict, would discard it.
+
+Guesses (greedy, ``guesses``): when the block after a proposal is asked for
+ahead, that proposal's verdict is still to come, and the block drafted ahead
+serves only if every draft is accepted. So the draft also drafts the next block
+for a rejection at each of the proposal's first positions, each on its own copy
+of the cache (``SessionKV.fork``): after x_1..x_{i-1}, the token the target
+would emit in place of a rejected x_i, guessed as the draft's own second choice
+there. Where the next propose asks for one of them (same cursor; a greedy block
+does not depend on the seed), it takes that copy as the session's cache and
+answers at once; the others are dropped. On the demo pair the target's token is
+the draft's second choice at 69% of greedy rejections. Greedy only: at T > 0
+the target's token is a draw from the residual, which one guess hits at 14%.
+Only while no other session's work waits for the draft's forwards: under load
+the guesses' forwards would delay other sessions' drafts (as drafting ahead does).
+A guess is only ever a head start: the propose decides, as for drafting on.
 Not for: gRPC (``draft_service.servicer``).
 """
 
@@ -26,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.step import Cursor, settle
 from orchestrator.step import ahead as ahead_cursor
@@ -37,7 +52,7 @@ from specdec.hidden_q import hidden_position
 from specdec.model_service import ModelService
 from specdec.rng import generator
 from specdec.runtime.forward_loop import Job
-from specdec.runtime.ragged import Feed
+from specdec.runtime.ragged import Feed, SessionKV
 from specdec.sampling import Proposal, SamplingParams, SparseQ, Verdict, draft_position
 from specdec.sessions import Session
 from specdec.wire import WireShape
@@ -57,6 +72,35 @@ class HeadStart:
 
 
 @dataclass
+class Drafted:
+    """The proposal a session's last propose was answered with, and where from."""
+
+    cache_len: int
+    feed: tuple[int, ...]
+    tokens: list[int]
+    alternates: list[int] | None  # the draft's second choice at each position (greedy)
+    # Its ask was the block after the proposal before it (drafted ahead); if the block
+    # after this one is asked for in turn, this one took the next step (chained), and
+    # a greedy one's first token was matched as that step's bonus.
+    chained: bool = False
+
+    def after(self) -> tuple[int, tuple[int, ...]] | None:
+        """The ask (cache_len, feed) of the block after it (``ahead``)."""
+        if not self.tokens:
+            return None
+        return self.cache_len + len(self.feed) + len(self.tokens) - 1, (self.tokens[-1],)
+
+
+@dataclass
+class Guess:
+    """A block drafted for one rejection before the verdict (see the module's docstring)."""
+
+    kv: SessionKV  # the session's cache up to the rejected position, then this block's
+    started: float
+    task: asyncio.Future  # -> Proposal
+
+
+@dataclass
 class DraftState:
     """What the draft keeps per session besides its cache."""
 
@@ -72,6 +116,9 @@ class DraftState:
     # A block drafted ahead that an echoed verdict left unused, (cache_len, feed): the
     # propose asking for it gets no tokens.
     moot: tuple[int, tuple[int, ...]] | None = None
+    last: Drafted | None = None
+    # By the ask (cache_len, feed) that would take them: blocks for rejections.
+    guesses: dict[tuple[int, tuple[int, ...]], Guess] = field(default_factory=dict)
 
 
 class Drafter(ModelService):
@@ -104,7 +151,18 @@ class Drafter(ModelService):
         state.asked, state.drafting = ask, None
         head = await self.settle_head(session, (*ask, gamma, seed))
         if head is not None:
-            return self._from_head(session, head, gamma, start)
+            self.drop_guesses(session)
+            proposal = self._from_head(session, head, gamma, start)
+            state.last = Drafted(*ask, proposal.tokens, proposal.alternates)
+            return proposal
+        proposal = await self._take_guess(session, ask, gamma, start)
+        if proposal is not None:
+            state.last = Drafted(*ask, proposal.tokens, proposal.alternates)
+            return proposal
+        last = state.last
+        chained = last is not None and ask == last.after()
+        if chained:  # drafting ahead: last's verdict is to come
+            self._guess(session, last, gamma)
         self.roll_back_to(session, cache_len)
         state.drafting = drafted = asyncio.get_running_loop().create_future()
         try:
@@ -114,16 +172,29 @@ class Drafter(ModelService):
                 drafted.set_result(None)
         self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
+        state.last = Drafted(*ask, proposal.tokens, proposal.alternates, chained)
         return proposal
 
-    def _draft(self, session: Session, feed: list[int], gamma: int, seed: int, limit=None) -> Job:
+    def _draft(
+        self,
+        session: Session,
+        feed: list[int],
+        gamma: int,
+        seed: int,
+        limit=None,
+        kv: SessionKV | None = None,
+    ) -> Job:
         """gamma forwards, each drawing x_i from its q_i; x_gamma is not fed.
         ``limit``: [n], read before each forward: stop after n tokens (the first n
-        draws of a longer draft with one seed are those of the shorter one)."""
+        draws of a longer draft with one seed are those of the shorter one).
+        ``kv``: the cache to draft on (a guess's copy); the session's by default."""
+        kv = session.kv if kv is None else kv
         rng = None if session.params.greedy else generator(seed)  # greedy: no draws
         shape: WireShape = session.extra.shape
         tokens: list[int] = []
         qs: list[SparseQ] = []
+        # greedy: the second choices, for guesses
+        alternates = [] if rng is None and self.cfg.guesses else None
         forward_s = batch_tokens = 0.0
         # The hidden-state wire (specdec.hidden_q): q derived from the last hidden state.
         hidden = [] if shape.hidden and rng is not None and self.head is not None else None
@@ -131,7 +202,7 @@ class Drafter(ModelService):
             if limit is not None and i >= limit[0]:
                 break
             # [1, vocab] ([0, vocab] where the runner skipped the output layer)
-            logits = yield Feed(session.kv, feed, 1, hidden, head=hidden is None)
+            logits = yield Feed(kv, feed, 1, hidden, head=hidden is None)
             forward_s += self.loop.last_batch.seconds
             batch_tokens += self.loop.last_batch.tokens
             if hidden is not None:
@@ -142,9 +213,16 @@ class Drafter(ModelService):
                 )
             tokens.append(x)
             qs.append(q)
+            if alternates is not None:
+                alternates.append(int(logits[0].topk(2).indices[1]))
             feed = [x]
         return Proposal(
-            tokens, qs, session.length, forward_s=forward_s, batch_tokens=batch_tokens / len(tokens)
+            tokens,
+            qs,
+            kv.length,
+            forward_s=forward_s,
+            batch_tokens=batch_tokens / len(tokens),
+            alternates=alternates,
         )
 
     # ---- drafting on ---------------------------------------------------------------------
@@ -179,6 +257,12 @@ class Drafter(ModelService):
         nxt = outcome.draft
         fits = nxt is not None and nxt.cache_len <= session.length
         unused = not ahead or outcome.accepted < len(drafts)  # the block drafted ahead
+        key = None if nxt is None else (nxt.cache_len, nxt.pending)
+        guessed = unused and key in state.guesses
+        self.drop_guesses(session, keep=key if guessed else None)  # the rest are moot
+        if guessed:  # its propose takes the guess
+            metrics.DRAFTED_ON.labels("skipped").inc()
+            return
         if not fits or not unused or nxt.end + gamma > self.max_context:
             metrics.DRAFTED_ON.labels("skipped").inc()  # the propose will say what to do
             return
@@ -238,16 +322,94 @@ class Drafter(ModelService):
         if gamma < len(proposal.tokens):
             proposal.forward_s *= gamma / len(proposal.tokens)
             proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
+            if proposal.alternates is not None:
+                proposal.alternates = proposal.alternates[:gamma]
             self.roll_back_to(session, head.cache_len + len(head.feed) + gamma - 1)
             proposal.cache_len = session.length
         proposal.compute_s = time.perf_counter() - head.started
         proposal.lead_s = max(0.0, asked_at - head.started)  # (<= compute_s: asked before now)
         return proposal
 
+    # ---- guesses -----------------------------------------------------------------------
+    def _guess(self, session: Session, last: Drafted, gamma: int) -> None:
+        """``last``'s verdict is to come while the block after it is drafted (asked
+        for ``gamma`` tokens): draft the next block for a rejection at each of
+        ``last``'s first positions, from the draft's second choice there, each on a
+        copy of the cache (see the module's docstring)."""
+        state: DraftState = session.extra
+        self.drop_guesses(session)
+        if not self.cfg.guesses or not last.alternates or not session.params.greedy:
+            return
+        if self.loop.queued:  # other sessions' work waits: guesses only use idle time
+            return
+        # A greedy block asked for ahead is one token longer (its first token is
+        # matched as the bonus): the next step, after a rejection, asks one fewer.
+        gamma = max(1, gamma - 1)
+        base = last.cache_len + len(last.feed)  # x_1's position in the history
+        first = 1 if last.chained else 0  # a chained greedy block's x_1 was the bonus
+        for i in range(first, min(len(last.tokens), first + self.cfg.guesses)):
+            at = base + i  # the history before x_{i+1}: what a rejection of it keeps
+            if at > session.length or at + 1 + gamma > self.max_context:
+                break
+            kv = session.kv.fork(at)
+            y = last.alternates[i]
+            task = asyncio.ensure_future(
+                self.run(self._draft(session, [y], gamma, 0, kv=kv), "guess")
+            )
+            task.add_done_callback(_consume)
+            state.guesses[(at, (y,))] = Guess(kv, time.perf_counter(), task)
+
+    def drop_guesses(self, session: Session, keep=None) -> None:
+        """Stop and forget the session's guesses, but the one ``keep`` (an ask) names."""
+        state: DraftState = session.extra
+        for ask in [a for a in state.guesses if a != keep]:
+            state.guesses.pop(ask).task.cancel()
+            metrics.DRAFT_GUESSES.labels("unused").inc()
+
+    async def _take_guess(
+        self, session: Session, ask: tuple[int, tuple[int, ...]], gamma: int, asked_at: float
+    ) -> Proposal | None:
+        """The proposal for ``ask`` from its guess, if there is one (the others are
+        dropped): its copy of the cache becomes the session's, the block cut to
+        ``gamma`` tokens or drafted on to them. None: no such guess."""
+        state: DraftState = session.extra
+        guess = state.guesses.pop(ask, None)
+        self.drop_guesses(session)
+        if guess is None:
+            return None
+        try:
+            proposal: Proposal = await asyncio.shield(guess.task)
+        except Exception:  # (it failed: drafted anew)
+            return None
+        metrics.DRAFT_GUESSES.labels("used").inc()
+        self.loop.forget(session.kv)
+        session.kv = guess.kv
+        cache_len, feed = ask
+        if gamma < len(proposal.tokens):
+            proposal.forward_s *= gamma / len(proposal.tokens)
+            proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
+            proposal.alternates = proposal.alternates[:gamma] if proposal.alternates else None
+            self.roll_back_to(session, cache_len + len(feed) + gamma - 1)
+        elif gamma > len(proposal.tokens):  # the rest, from x_m (greedy: no seed)
+            more = await self.run(
+                self._draft(session, proposal.tokens[-1:], gamma - len(proposal.tokens), 0),
+                "propose",
+            )
+            proposal.tokens += more.tokens
+            proposal.qs += more.qs
+            proposal.alternates = (proposal.alternates or []) + (more.alternates or [])
+            proposal.forward_s += more.forward_s
+        proposal.cache_len = session.length
+        proposal.compute_s = time.perf_counter() - guess.started
+        proposal.lead_s = max(0.0, asked_at - guess.started)
+        self.sessions.update_gauges()
+        return proposal
+
     async def rollback_draft(self, session: Session, cache_len: int) -> int:
         """``rollback``, after the session's head start (discarded)."""
         session.extra.proposes += 1
         session.extra.moot = None
+        self.drop_guesses(session)
         await self.settle_head(session)
         return self.rollback(session, cache_len)
 
@@ -256,6 +418,8 @@ class Drafter(ModelService):
         if head is not None:
             head.task.cancel()
             session.extra.head = None
+        if isinstance(session.extra, DraftState):
+            self.drop_guesses(session)
         return super().close(session)
 
 

@@ -115,6 +115,11 @@ class ModelServiceConfig:
     # (draft_head: its directory). Used only where the two layers' fingerprints match.
     hidden_q: bool = False
     draft_head: str = ""
+    # Draft only: in a greedy step that drafts ahead (overlap), the draft also drafts
+    # the next block for a rejection at each of the first `guesses` drafted positions,
+    # each on a copy of its cache, guessing the target's token there as its own second
+    # choice; the next propose takes the one it asks for. 0: off (draft_service/drafter.py).
+    guesses: int = 4
 
 
 @dataclass
@@ -335,6 +340,7 @@ _NON_NEGATIVE = {
     "decode_batch_wait_ms",
     "packed_linear_min_rows",
     "keep_freed_mb",
+    "guesses",
 }
 
 
@@ -417,6 +423,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{section}.dtype: must be one of {DTYPES}, got {sub.dtype!r}")
         if not sub.model:
             raise ConfigError(f"{section}.model: required (a local model directory)")
+    if cfg.draft.guesses > MAX_GAMMA:
+        raise ConfigError(f"draft.guesses: must be <= {MAX_GAMMA}, got {cfg.draft.guesses}")
     if cfg.gateway.chat_template not in CHAT_TEMPLATES:
         raise ConfigError(
             f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "

@@ -257,6 +257,14 @@ DRAFTED_ON = Counter(
     ["outcome"],
     registry=None,
 )
+DRAFT_GUESSES = Counter(
+    "specdec_model_draft_guesses_total",
+    "Blocks the draft drafted for a rejection before its verdict (greedy steps that "
+    "draft ahead; draft.guesses), from its own second choice at a drafted position: "
+    "used (the next propose asked for one) or unused.",
+    ["outcome"],
+    registry=None,
+)
 RELAY_REFUSALS = Counter(
     "specdec_model_relay_refusals_total",
     "Proposals this draft relayed that the target refused (no such session there, or "
@@ -357,6 +365,7 @@ _MODEL_METRICS = (
     SESSION_EVICTIONS,
     RELAY_REFUSALS,
     DRAFTED_ON,
+    DRAFT_GUESSES,
     BATCH_SESSIONS,
     BATCH_TOKENS,
     QUEUE_WAIT,

@@ -583,6 +583,9 @@ class Proposal:
     relay_bytes: int = 0  # what that relay put on the wire
     # Of compute_s, the seconds before the propose arrived (drafted on from an echo).
     lead_s: float = 0.0
+    # Draft only, greedy: its second choice at each position, a guess of the target's
+    # token where x_i is rejected (``draft_service.drafter``, guesses). Never sent.
+    alternates: list[int] | None = None
 
 
 @dataclass

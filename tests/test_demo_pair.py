@@ -63,6 +63,17 @@ def test_greedy_through_pipeline_equals_target_generate(tmp_path, pair):
             assert got == reference(pair[1], ids, 48) and stats.adaptive
         assert drafted_on(stack, "used") > used
         assert drafted_on(stack, "discarded") == discarded
+        # Drafting ahead, greedy: the draft also drafts the next block for rejections,
+        # from its second choice (draft.guesses); on this pair many are right.
+        guessed = stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
+        for prompt in PROMPTS[:2]:
+            ids = tok.encode(prompt)
+            got, _, stats = stack.generate_raw(
+                prompt=ids, max_new_tokens=48, temperature=0.0, gamma=4, overlap=True
+            )
+            assert got == reference(pair[1], ids, 48)
+        used_now = stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
+        assert used_now >= guessed + 4
 
 
 def test_acceptance_rate_at_temperature_one(pair):

@@ -296,3 +296,149 @@ def test_only_a_block_drafted_ahead_may_come_back_empty():
             await session.propose(Cursor(6, (5,)), 4, 1, None)
 
     asyncio.run(go())
+
+
+# ---- guesses: the next block for a rejection, drafted before the verdict ----------------------
+
+
+def _guesses(name: str) -> float:
+    return metrics.DRAFT_GUESSES.labels(name)._value.get()
+
+
+async def _ahead_step(p: Pair, sid: str, params: SamplingParams):
+    """A session's first proposal (3 tokens), then the block after it asked for ahead
+    (4 tokens, as a greedy step asks one more): (session, cursor, first proposal)."""
+    s = await p.draft.open_draft(sid, PROMPT[:-1], params, SHAPE)
+    cursor = Cursor.fresh(PROMPT)
+    first = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11)
+    block = ahead(cursor, first.tokens)
+    await p.draft.propose(s, block.cache_len, block.pending, 4, 31)
+    return s, cursor, first
+
+
+async def _anew(p: Pair, sid: str, history: list[int], gamma: int):
+    """The proposal of a fresh greedy session holding ``history``: what a guess must equal."""
+    ref = await p.draft.open_draft(sid, history[:-1], SamplingParams(temperature=0.0), SHAPE)
+    return ref, await p.draft.propose(ref, len(history) - 1, history[-1:], gamma, 5)
+
+
+def test_a_guess_answers_its_rejection_exactly_as_drafted_anew(llama_pair):
+    """A greedy step that drafts ahead: when the block after a proposal is asked for,
+    the draft also drafts the next block for a rejection at each of the proposal's
+    positions, from its second choice there, on a copy of its cache. A propose for
+    one of them is answered from it as if drafted anew (tokens, cache length), cut
+    to fewer tokens or drafted on to more; the other guesses are dropped."""
+    params = SamplingParams(temperature=0.0)
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            for pos, ask in ((0, 3), (1, 2), (2, 5)):
+                s, cursor, first = await _ahead_step(p, f"g{pos}", params)
+                alts = first.alternates
+                assert len(alts) == 3 and all(
+                    a != x for a, x in zip(alts, first.tokens, strict=True)
+                )
+                assert sorted(s.extra.guesses) == [(cursor.end + i, (alts[i],)) for i in range(3)]
+                # x_{pos+1} rejected, the target's token the draft's second choice
+                history = [*PROMPT, *first.tokens[:pos], alts[pos]]
+                ref, want = await _anew(p, f"r{pos}", history, ask)
+                used, unused = _guesses("used"), _guesses("unused")
+                got = await p.draft.propose(s, cursor.end + pos, [alts[pos]], ask, 7)
+                assert (_guesses("used"), _guesses("unused")) == (used + 1, unused + 2)
+                assert got.tokens == want.tokens and len(got.qs) == ask
+                assert got.cache_len == s.length == ref.length == want.cache_len
+                assert s.extra.guesses == {} and got.lead_s <= got.compute_s
+                # The session goes on from the guess's cache as from its own.
+                nxt = Cursor(got.cache_len, (got.tokens[-1],))
+                again = await p.draft.propose(s, nxt.cache_len, nxt.pending, 2, 9)
+                want_again = await p.draft.propose(ref, nxt.cache_len, nxt.pending, 2, 9)
+                assert again.tokens == want_again.tokens
+            await asyncio.sleep(0.05)
+            assert p.draft.loop.queued == 0
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def test_guesses_that_are_not_asked_for_leave_the_cache_as_it_was(llama_pair):
+    """A propose for no guess (another token at the rejected position), a rollback or a
+    close drops every guess, and the session drafts from its own cache as if there had
+    been none. A sampled request (T > 0) has no guesses, nor a step that finds other
+    sessions' work waiting for the draft's forwards."""
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            greedy = SamplingParams(temperature=0.0)
+            s, cursor, first = await _ahead_step(p, "other", greedy)
+            other = next(t for t in range(p.draft.vocab_size) if t not in first.alternates)
+            _, want = await _anew(p, "ref", [*PROMPT, other], 3)
+            unused = _guesses("unused")
+            got = await p.draft.propose(s, cursor.end, [other], 3, 7)
+            assert _guesses("unused") == unused + 3 and s.extra.guesses == {}
+            assert got.tokens == want.tokens and s.length == want.cache_len
+
+            s, cursor, _ = await _ahead_step(p, "rolled", greedy)
+            assert len(s.extra.guesses) == 3
+            await p.draft.rollback_draft(s, cursor.cache_len)
+            assert s.extra.guesses == {} and s.length == cursor.cache_len
+
+            s, _, _ = await _ahead_step(p, "closed", greedy)
+            tasks = [g.task for g in s.extra.guesses.values()]
+            assert tasks and p.draft.close(s)
+            await asyncio.sleep(0.05)
+            assert all(t.done() for t in tasks) and s.extra.guesses == {}
+
+            s, _, first = await _ahead_step(p, "sampled", SamplingParams(temperature=1.0))
+            assert first.alternates is None and s.extra.guesses == {}
+
+            # Another session's work waiting for the draft's forwards: no guesses.
+            busy = await p.draft.open_draft("busy", PROMPT[:-1], greedy, SHAPE)
+            s = await p.draft.open_draft("loaded", PROMPT[:-1], greedy, SHAPE)
+            cursor = Cursor.fresh(PROMPT)
+            first = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11)
+            other = asyncio.ensure_future(
+                p.draft.propose(busy, cursor.cache_len, cursor.pending, 3, 11)
+            )
+            await asyncio.sleep(0)  # its forwards are queued
+            block = ahead(cursor, first.tokens)
+            await p.draft.propose(s, block.cache_len, block.pending, 4, 31)
+            assert s.extra.guesses == {}
+            await other
+            await asyncio.sleep(0.05)
+            assert p.draft.loop.queued == 0
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def test_an_echo_that_rejects_into_a_guess_starts_no_other_draft(llama_pair):
+    """Drafting on in a step that drafts ahead: a verdict whose token at the rejected
+    position is a guess's leaves that guess for the next propose (no head start) and
+    drops the rest; the propose is answered from it as if drafted anew."""
+    params = SamplingParams(temperature=0.0)
+    u = [0.5] * 3
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            s, cursor, first = await _ahead_step(p, "echo", params)
+            alts = first.alternates
+            # x_2 rejected; the target's token there is the draft's second choice
+            verdict = Verdict([1.0, 0.0, 0.0], [0.5] * 3, [alts[0], alts[1], alts[2]], 50)
+            n = s.extra.proposes - 1  # the propose the verdict answers
+            p.draft.draft_on(s, n, cursor, first.tokens, verdict, u, 3, 21, ahead=True)
+            assert s.extra.head is None and list(s.extra.guesses) == [(cursor.end + 1, (alts[1],))]
+            nxt = settle(Cursor(0, ()), cursor, first.tokens, verdict, u).draft
+            assert nxt == Cursor(cursor.end + 1, (alts[1],))
+            _, want = await _anew(p, "ref", [*PROMPT, first.tokens[0], alts[1]], 3)
+            used = _guesses("used")
+            got = await p.draft.propose(s, nxt.cache_len, nxt.pending, 3, 21)
+            assert _guesses("used") == used + 1 and got.tokens == want.tokens
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())

@@ -73,3 +73,27 @@ def test_a_session_appears_once_per_forward(llama_pair):
     kv = SessionKV()
     with pytest.raises(ValueError, match="once"):
         runner.forward([Feed(kv, [1], 1), Feed(kv, [2], 1)])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_fork_extends_like_its_cache_rolled_back_and_leaves_it_untouched(family, request):
+    """``SessionKV.fork(n)``: a copy of the first n positions. Extending the fork
+    equals rolling the cache back to n and extending it, in the same pass as its
+    origin, and the origin's own logits do not move."""
+    _, target = request.getfixturevalue(f"{family}_pair")
+    reference = load_model(str(target), dtype="float64")
+    runner = RaggedRunner(load_model(str(target), dtype="float64"))
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, runner.vocab_size, (24,), generator=g).tolist()
+    branch = torch.randint(0, runner.vocab_size, (5,), generator=g).tolist()
+    kv = SessionKV()
+    runner.forward([Feed(kv, tokens[:20], 0)])
+    fork = kv.fork(12)
+    assert fork.length == 12 and kv.length == 20
+    mine, theirs = runner.forward([Feed(kv, tokens[20:], 4), Feed(fork, branch, 5)])
+    torch.testing.assert_close(mine, _fresh(reference, tokens, 4), rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        theirs, _fresh(reference, tokens[:12] + branch, 5), rtol=0, atol=1e-10
+    )
+    with pytest.raises(FailedPrecondition, match="cache_len"):
+        kv.fork(25)
