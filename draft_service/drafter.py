@@ -320,12 +320,7 @@ class Drafter(ModelService):
         ``asked_at``: when its propose arrived (its lead: the time drafted before)."""
         proposal: Proposal = head.task.result()
         if gamma < len(proposal.tokens):
-            proposal.forward_s *= gamma / len(proposal.tokens)
-            proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
-            if proposal.alternates is not None:
-                proposal.alternates = proposal.alternates[:gamma]
-            self.roll_back_to(session, head.cache_len + len(head.feed) + gamma - 1)
-            proposal.cache_len = session.length
+            self._cut(session, proposal, gamma, head.cache_len + len(head.feed))
         proposal.compute_s = time.perf_counter() - head.started
         proposal.lead_s = max(0.0, asked_at - head.started)  # (<= compute_s: asked before now)
         return proposal
@@ -375,7 +370,7 @@ class Drafter(ModelService):
         state: DraftState = session.extra
         guess = state.guesses.pop(ask, None)
         self.drop_guesses(session)
-        if guess is None:
+        if guess is None or guess.task.cancelled():  # (stopped with the service)
             return None
         try:
             proposal: Proposal = await asyncio.shield(guess.task)
@@ -386,10 +381,7 @@ class Drafter(ModelService):
         session.kv = guess.kv
         cache_len, feed = ask
         if gamma < len(proposal.tokens):
-            proposal.forward_s *= gamma / len(proposal.tokens)
-            proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
-            proposal.alternates = proposal.alternates[:gamma] if proposal.alternates else None
-            self.roll_back_to(session, cache_len + len(feed) + gamma - 1)
+            self._cut(session, proposal, gamma, cache_len + len(feed))
         elif gamma > len(proposal.tokens):  # the rest, from x_m (greedy: no seed)
             more = await self.run(
                 self._draft(session, proposal.tokens[-1:], gamma - len(proposal.tokens), 0),
@@ -404,6 +396,16 @@ class Drafter(ModelService):
         proposal.lead_s = max(0.0, asked_at - guess.started)
         self.sessions.update_gauges()
         return proposal
+
+    def _cut(self, session: Session, proposal: Proposal, gamma: int, fed: int) -> None:
+        """Keep ``proposal``'s first ``gamma`` tokens, and the cache that drafted them;
+        ``fed``: the cache's length once the proposal's feed was in (x_1's position)."""
+        proposal.forward_s *= gamma / len(proposal.tokens)
+        proposal.tokens, proposal.qs = proposal.tokens[:gamma], proposal.qs[:gamma]
+        if proposal.alternates is not None:
+            proposal.alternates = proposal.alternates[:gamma]
+        self.roll_back_to(session, fed + gamma - 1)
+        proposal.cache_len = session.length
 
     async def rollback_draft(self, session: Session, cache_len: int) -> int:
         """``rollback``, after the session's head start (discarded)."""
