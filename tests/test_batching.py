@@ -278,3 +278,38 @@ def test_a_kind_of_job_can_have_its_own_wait(llama_pair):
 def test_a_lone_session_never_waits_for_a_batch(llama_pair):
     _, alone = _sessions_per_pass(llama_pair[1], 1.0, sessions=1, rounds=20)
     assert alone < 1.0, alone  # 20 passes, none of them waiting the 1 s window
+
+
+def test_background_jobs_neither_wait_nor_are_waited_for(llama_pair):
+    """The draft's guesses ("guess", ``forward_loop.BACKGROUND``) run in the draft's
+    idle time: a guess queued right after a session's job left a forward runs at
+    once, not after the 1 s the loop would wait for that session to come back; and
+    a session's job after a finished guess does not wait for the guess's cache."""
+    import asyncio
+    import time
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+
+    def job(kv, n=1):
+        for _ in range(n):
+            yield Feed(kv, [5], 1)
+
+    async def main() -> tuple[float, float]:
+        loop = ForwardLoop(runner, 512, None, batch_wait_s=1.0)
+        loop.start()
+        await loop.run(job(SessionKV(), 3), "guess")
+        start = time.perf_counter()
+        mine = SessionKV()
+        await loop.run(job(mine), "propose")  # (the guess's cache never comes back)
+        after = time.perf_counter() - start
+        start = time.perf_counter()  # "mine" may come back: a session's job would wait
+        await loop.run(job(SessionKV(), 3), "guess")
+        guessed = time.perf_counter() - start
+        await loop.aclose()
+        return guessed, after
+
+    guessed, after = asyncio.run(main())
+    assert guessed < 0.5 and after < 0.5, (guessed, after)
