@@ -3,7 +3,7 @@ the target verifies (``draft.guesses``, greedy steps that draft ahead) against
 the same services without them (``draft.guesses: 0``).
 
     python -m benchmarks.guesses [--repeats 5] [--parts pinned shared]
-        [--clients 4] [--off-first] [--out results/guesses-<time>]
+        [--clients 4] [--off-first] [--modes ...] [--out results/guesses-<time>]
 
 Two stacks of the demo pair, one thread per service, that differ only in
 ``guesses``; only one serves at a time. ``pinned``: each stack as ``make bench``
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--off-first", action="store_true", help="start the stack without guesses first"
     )
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--out", default=f"results/guesses-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for arm, stack in stacks.items()
                 for mode, fields in MODES.items()
+                if mode in args.modes
             }
             rates |= interleaved(configs, args.repeats)
             print(f"{part} done", flush=True)
@@ -125,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|",
     ]
     for part in args.parts:
-        for mode in MODES:
+        for mode in args.modes:
             on, off = rates[f"on {mode} {part}"], rates[f"off {mode} {part}"]
             ratio = [f"{paired(on, off):.3f}"]
-            if "ahead" in mode:
-                t = mode.split("@")[1]
+            t = mode.split("@")[1]
+            if "ahead" in mode and f"gamma 4@{t}" in args.modes:
                 seq = f"gamma 4@{t} {part}"
                 ratio += [
                     f"{paired(rates[f'{arm} {mode} {part}'], rates[f'{arm} {seq}']):.3f}"

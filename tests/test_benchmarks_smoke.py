@@ -341,3 +341,33 @@ def test_pass_cost_writes_results(tmp_path, llama_pair):
         }  # fmt: skip
     assert "| 8 | 3 | 2 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "pass_cost.png").stat().st_size > 0
+
+
+def test_guesses_side_by_side_writes_results(tmp_path):
+    """``benchmarks.guesses`` on the demo pair, one mode, one round, shared cores: both
+    stacks measured, only the one with guesses guessed, and the report has the row."""
+    _run_module(
+        "benchmarks.guesses", "--parts", "shared", "--modes", "gamma 4 ahead@0",
+        "--clients", "--repeats", "1", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["median"]["on gamma 4 ahead@0 shared"] > 0
+    assert result["median"]["off gamma 4 ahead@0 shared"] > 0
+    guesses = result["machine"]["guesses"]
+    assert guesses["on"]["used"] > 0 and guesses["off"] == {"used": 0.0, "unused": 0.0}
+    assert "| gamma 4 ahead, greedy, shared |" in (tmp_path / "results.md").read_text()
+
+
+def test_guess_rates_writes_results(tmp_path, llama_pair):
+    """``benchmarks.guess_rates`` on the tiny pair: every rate is a probability."""
+    draft, target = llama_pair
+    _run_module(
+        "benchmarks.guess_rates", "--draft", str(draft), "--target", str(target),
+        "--max-new-tokens", "8", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["greedy"]["steps"] > 0 and result["t1"]["positions"] > 0
+    for part in ("greedy", "t1"):
+        for key, value in result[part].items():
+            if key not in ("steps", "rejections", "positions"):
+                assert 0.0 <= value <= 1.0, (part, key, value)
