@@ -253,7 +253,8 @@ DRAFTED_ON = Counter(
     "(the propose asked for them), discarded (it asked for something else, or the "
     "session ended first), or skipped (none started: a newer propose had come already, "
     "the next step would not fit the draft's cache or context, or a step drafting ahead "
-    "accepted every draft, so its block drafted ahead may take the next step).",
+    "accepted every draft, so its block drafted ahead may take the next step, or a guess "
+    "already holds the next block: specdec_model_draft_guesses_total).",
     ["outcome"],
     registry=None,
 )
