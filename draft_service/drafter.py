@@ -342,9 +342,12 @@ class Drafter(ModelService):
         gamma = max(1, gamma - 1)
         base = last.cache_len + len(last.feed)  # x_1's position in the history
         first = 1 if last.chained else 0  # a chained greedy block's x_1 was the bonus
+        budget = self.cfg.guess_copy_mb * 2**20  # bytes of cache the copies may take
+        per_token = session.kv.bytes_per_token()
         for i in range(first, min(len(last.tokens), first + self.cfg.guesses)):
             at = base + i  # the history before x_{i+1}: what a rejection of it keeps
-            if at > session.length or at + 1 + gamma > self.max_context:
+            budget -= at * per_token
+            if at > session.length or at + 1 + gamma > self.max_context or budget < 0:
                 break
             kv = session.kv.fork(at)
             y = last.alternates[i]

@@ -120,6 +120,8 @@ class ModelServiceConfig:
     # each on a copy of its cache, guessing the target's token there as its own second
     # choice; the next propose takes the one it asks for. 0: off (draft_service/drafter.py).
     guesses: int = 4
+    # ... copying at most this many MB of cache per step (fewer guesses past it).
+    guess_copy_mb: float = 64.0
 
 
 @dataclass
@@ -341,6 +343,7 @@ _NON_NEGATIVE = {
     "packed_linear_min_rows",
     "keep_freed_mb",
     "guesses",
+    "guess_copy_mb",
 }
 
 

@@ -366,7 +366,8 @@ def test_guesses_that_are_not_asked_for_leave_the_cache_as_it_was(llama_pair):
     """A propose for no guess (another token at the rejected position), a rollback or a
     close drops every guess, and the session drafts from its own cache as if there had
     been none. A sampled request (T > 0) has no guesses, nor a step that finds other
-    sessions' work waiting for the draft's forwards."""
+    sessions' work waiting for the draft's forwards; the copies of one step stay
+    within guess_copy_mb."""
 
     async def go():
         p = Pair(llama_pair)
@@ -379,6 +380,15 @@ def test_guesses_that_are_not_asked_for_leave_the_cache_as_it_was(llama_pair):
             got = await p.draft.propose(s, cursor.end, [other], 3, 7)
             assert _guesses("unused") == unused + 3 and s.extra.guesses == {}
             assert got.tokens == want.tokens and s.length == want.cache_len
+
+            # The copies of one step take at most guess_copy_mb: here room for one.
+            per_token = s.kv.bytes_per_token()
+            p.draft.cfg.guess_copy_mb = 1.5 * cursor.end * per_token / 2**20
+            try:
+                s, cursor, first = await _ahead_step(p, "budget", greedy)
+            finally:
+                p.draft.cfg.guess_copy_mb = ModelServiceConfig.guess_copy_mb
+            assert list(s.extra.guesses) == [(cursor.end, (first.alternates[0],))]
 
             s, cursor, _ = await _ahead_step(p, "rolled", greedy)
             assert len(s.extra.guesses) == 3

@@ -125,6 +125,14 @@ class SessionKV:
         kv.length = length
         return kv
 
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position takes, keys and values of every layer."""
+        return sum(
+            t.shape[0] * t.shape[2] * t.element_size()
+            for t in self.keys + self.values
+            if t is not None
+        )
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
