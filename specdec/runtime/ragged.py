@@ -110,18 +110,9 @@ class SessionKV:
                 f"cache_len: the session holds {self.length} tokens, cannot fork at {length}"
             )
         kv = SessionKV()
-        for k, v in zip(self.keys, self.values, strict=True):
-            if k is None:
-                kv.keys.append(None)
-                kv.values.append(None)
-                continue
-            cap = length + _MIN_CAPACITY  # room for a branch's few steps
-            new_k = k.new_empty(k.shape[0], cap, k.shape[2])  # [kv_heads, cap, head_dim]
-            new_v = v.new_empty(v.shape[0], cap, v.shape[2])
-            new_k[:, :length] = k[:, :length]
-            new_v[:, :length] = v[:, :length]
-            kv.keys.append(new_k)
-            kv.values.append(new_v)
+        cap = length + _MIN_CAPACITY  # room for a branch's few steps
+        kv.keys = [None if k is None else _resized(k, length, cap) for k in self.keys]
+        kv.values = [None if v is None else _resized(v, length, cap) for v in self.values]
         kv.length = length
         return kv
 
@@ -145,15 +136,21 @@ class SessionKV:
             self.values.append(None)
         k, v = self.keys[layer], self.values[layer]
         if k is None or k.shape[1] < needed:
-            heads, dim = like.shape[1], like.shape[3]
             cap = max(needed, _MIN_CAPACITY, 2 * (k.shape[1] if k is not None else 0))
-            new_k = like.new_empty(heads, cap, dim)
-            new_v = like.new_empty(heads, cap, dim)
-            if k is not None:
-                new_k[:, : self.length] = k[:, : self.length]
-                new_v[:, : self.length] = v[:, : self.length]
-            self.keys[layer], self.values[layer] = k, v = new_k, new_v
+            if k is None:
+                heads, dim = like.shape[1], like.shape[3]
+                k, v = like.new_empty(heads, cap, dim), like.new_empty(heads, cap, dim)
+            else:
+                k, v = _resized(k, self.length, cap), _resized(v, self.length, cap)
+            self.keys[layer], self.values[layer] = k, v
         return k, v
+
+
+def _resized(t: torch.Tensor, keep: int, cap: int) -> torch.Tensor:
+    """A new layer buffer [kv_heads, cap, head_dim] holding ``t``'s first ``keep`` positions."""
+    new = t.new_empty(t.shape[0], cap, t.shape[2])
+    new[:, :keep] = t[:, :keep]
+    return new
 
 
 @dataclass
