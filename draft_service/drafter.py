@@ -330,9 +330,9 @@ class Drafter(ModelService):
         """``last``'s verdict is to come while the block after it is drafted (asked
         for ``gamma`` tokens): draft the next block for a rejection at each of
         ``last``'s first positions, from the draft's second choice there, each on a
-        copy of the cache (see the module's docstring)."""
+        copy of the cache (see the module's docstring). The propose asking for that
+        block has dropped the guesses before (``_take_guess``)."""
         state: DraftState = session.extra
-        self.drop_guesses(session)
         if not self.cfg.guesses or not last.alternates or not session.params.greedy:
             return
         if self.loop.queued:  # other sessions' work waits: guesses only use idle time
