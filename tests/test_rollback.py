@@ -17,11 +17,17 @@ def _fresh(model, tokens: list[int], n: int) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokens])).logits[0, -n:]
 
 
+def _float64_target(family: str, request) -> tuple:
+    """The family's tiny target in float64: (the model itself, a ragged runner of it)."""
+    _, target = request.getfixturevalue(f"{family}_pair")
+    return load_model(str(target), dtype="float64"), RaggedRunner(
+        load_model(str(target), dtype="float64")
+    )
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_rollback_then_extend_equals_fresh_forward(family, request):
-    _, target = request.getfixturevalue(f"{family}_pair")
-    reference = load_model(str(target), dtype="float64")
-    runner = RaggedRunner(load_model(str(target), dtype="float64"))
+    reference, runner = _float64_target(family, request)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.vocab_size, (30,), generator=g).tolist()
     other = torch.randint(0, runner.vocab_size, (12,), generator=g).tolist()
@@ -44,9 +50,7 @@ def test_rollback_then_extend_equals_fresh_forward(family, request):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_packed_forward_of_many_sessions_equals_each_alone(family, request):
     """Ragged lengths, prefill chunks and decode steps of different sessions in one pass."""
-    _, target = request.getfixturevalue(f"{family}_pair")
-    reference = load_model(str(target), dtype="float64")
-    runner = RaggedRunner(load_model(str(target), dtype="float64"))
+    reference, runner = _float64_target(family, request)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (17, 4, 33)]
     kvs = [SessionKV() for _ in seqs]
@@ -80,9 +84,7 @@ def test_a_fork_extends_like_its_cache_rolled_back_and_leaves_it_untouched(famil
     """``SessionKV.fork(n)``: a copy of the first n positions. Extending the fork
     equals rolling the cache back to n and extending it, in the same pass as its
     origin, and the origin's own logits do not move."""
-    _, target = request.getfixturevalue(f"{family}_pair")
-    reference = load_model(str(target), dtype="float64")
-    runner = RaggedRunner(load_model(str(target), dtype="float64"))
+    reference, runner = _float64_target(family, request)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, runner.vocab_size, (24,), generator=g).tolist()
     branch = torch.randint(0, runner.vocab_size, (5,), generator=g).tolist()
