@@ -240,12 +240,13 @@ def stacks_per_arm(
     out: Path, draft: str, target: str, key: str, arms: dict[str, object]
 ) -> Iterator[dict[str, Stack]]:
     """One stack per arm (``{arm: value}``), its draft and target services with the
-    model-service setting ``key`` set to the arm's value, one thread each (as the
-    side-by-side benchmarks run them); all stopped on exit."""
+    model-service setting ``key`` set to the arm's value (a dict value: those
+    settings), one thread each (as the side-by-side benchmarks run them); all
+    stopped on exit."""
     stacks: dict[str, Stack] = {}
     try:
         for arm, value in arms.items():
-            keys = {key: value}
+            keys = value if isinstance(value, dict) else {key: value}
             stacks[arm] = start_services(
                 out / arm, draft, target, threads=1, draft_threads=1,
                 settings={"draft": keys, "target": keys},

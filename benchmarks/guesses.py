@@ -1,22 +1,24 @@
 """Guesses side by side: the draft drafting the next block for rejections while
-the target verifies (``draft.guesses``, greedy steps that draft ahead) against
-the same services without them (``draft.guesses: 0``).
+the target verifies (``draft.guesses`` for greedy steps that draft ahead,
+``draft.sampled_guesses`` for sampled ones) against the same services without
+them (both 0).
 
     python -m benchmarks.guesses [--repeats 5] [--parts pinned shared]
         [--clients 4] [--off-first] [--modes ...] [--out results/guesses-<time>]
 
 Two stacks of the demo pair, one thread per service, that differ only in
-``guesses``; only one serves at a time. ``pinned``: each stack as ``make bench``
-pins it (draft, orchestrator and this client on one core, the target on the
-other: separate machines); ``shared``: both cores shared. One client, 8 prompts
-x 64 tokens; gamma 4 sequential and drafting ahead, and adaptive; greedy, and
-T=1 drafting ahead as a control (guesses are greedy only, so it should not
-move). ``--clients``: also that many clients at once (3 requests each, greedy,
-gamma 4 drafting ahead, shared cores), where guesses run only in the draft's
-idle time. Each configuration once to warm up, then interleaved rounds, the order
-rotating; medians and the median of the paired per-round ratios. Also each
-arm's drafting ahead / sequential (issue 10's overlap criterion). Prints a
-table; writes results.json and results.md.
+those two settings; only one serves at a time. ``pinned``: each stack as
+``make bench`` pins it (draft, orchestrator and this client on one core, the
+target on the other: separate machines); ``shared``: both cores shared. One
+client, 8 prompts x 64 tokens; gamma 4 sequential and drafting ahead, and
+adaptive; greedy and T=1 (a sampled step's guesses are draws coupled to the
+target's residual draw; sequential steps draft nothing ahead, so they are the
+control). ``--clients``: also that many clients at once (3 requests each,
+greedy, gamma 4 drafting ahead, shared cores), where guesses run only in the
+draft's idle time. Each configuration once to warm up, then interleaved
+rounds, the order rotating; medians and the median of the paired per-round
+ratios. Also each arm's drafting ahead / sequential (issue 10's overlap
+criterion). Prints a table; writes results.json and results.md.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ MODES = {
     "adaptive@0": {"gamma": None, "temperature": 0.0},
     "gamma 4@1": {"gamma": 4, "overlap": False, "temperature": 1.0},
     "gamma 4 ahead@1": {"gamma": 4, "overlap": True, "temperature": 1.0},
+    "adaptive@1": {"gamma": None, "temperature": 1.0},
 }
-ARMS = {"on": 4, "off": 0}  # draft.guesses
+ARMS = {  # draft.guesses, draft.sampled_guesses
+    "on": {"guesses": 4, "sampled_guesses": 4},
+    "off": {"guesses": 0, "sampled_guesses": 0},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         "Guesses: the next block drafted for rejections during the verify, side by side",
         info,
         f"{args.repeats} interleaved rounds after a warm-up run; medians, and the median of "
-        "the paired per-round ratios. on = `draft.guesses: 4` (the default), off = "
-        "`draft.guesses: 0`; one client, 8 prompts x 64 tokens, one thread per service.",
+        "the paired per-round ratios. on = `draft.guesses: 4` (the default) and "
+        "`draft.sampled_guesses: 4`, off = both 0; one client, 8 prompts x 64 tokens, one "
+        "thread per service.",
     ) + [
         "| | on tok/s | off tok/s | on / off (paired) | ahead / sequential, on | off |",
         "|---|---|---|---|---|---|",

@@ -28,8 +28,15 @@ would emit in place of a rejected x_i, guessed as the draft's own second choice
 there. Where the next propose asks for one of them (same cursor; a greedy block
 does not depend on the seed), it takes that copy as the session's cache and
 answers at once; the others are dropped. On the demo pair the target's token is
-the draft's second choice at 69% of greedy rejections. Greedy only: at T > 0
-the target's token is a draw from the residual, which one guess hits at 14%.
+the draft's second choice at 69% of greedy rejections. At T > 0 the target's
+token there is a draw from the residual r, which the draft's argmax hits at 14%
+of rejections; instead the draft draws its guess y_i from q_i without x_i and
+sends it with the verify, and the target draws its token coupled to y_i
+(``sampling.guess_coupling``: still distributed as r, and y_i 36% of the time).
+A sampled block depends on its seed, so these guesses are drafted only when the
+proposal's relay tells the next step's gamma and seed (``DraftOn``), with them.
+Opt-in (``sampled_guesses``): a sampled block costs the draft its q and draw at
+every position, and on the 2-core demo VM that cost what the guesses saved.
 Only while no other session's work waits for the draft's forwards: under load
 the guesses' forwards would delay other sessions' drafts (as drafting ahead does).
 A guess is only ever a head start: the propose decides, as for drafting on.
@@ -50,10 +57,17 @@ from specdec.config import MAX_GAMMA
 from specdec.errors import require
 from specdec.hidden_q import hidden_position
 from specdec.model_service import ModelService
-from specdec.rng import generator
+from specdec.rng import generator, side_generator
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed, SessionKV
-from specdec.sampling import Proposal, SamplingParams, SparseQ, Verdict, draft_position
+from specdec.sampling import (
+    Proposal,
+    SamplingParams,
+    SparseQ,
+    Verdict,
+    draft_position,
+    guess_from,
+)
 from specdec.sessions import Session
 from specdec.wire import WireShape
 
@@ -83,6 +97,9 @@ class Drafted:
     # after this one is asked for in turn, this one took the next step (chained), and
     # a greedy one's first token was matched as that step's bonus.
     chained: bool = False
+    # Sampled: the next step's (gamma, seed) after a rejection (``DraftOn``), which
+    # its guesses are drafted with; None: no guesses.
+    next: tuple[int, int] | None = None
 
     def after(self) -> tuple[int, tuple[int, ...]] | None:
         """The ask (cache_len, feed) of the block after it (``ahead``)."""
@@ -98,6 +115,7 @@ class Guess:
     kv: SessionKV  # the session's cache up to the rejected position, then this block's
     started: float
     task: asyncio.Future  # -> Proposal
+    seed: int = 0  # what it was drafted with (sampled; greedy draws nothing)
 
 
 @dataclass
@@ -135,9 +153,17 @@ class Drafter(ModelService):
         return await self.open(session_id, tokens, params, extra=DraftState(shape.check()))
 
     async def propose(
-        self, session: Session, cache_len: int, append, gamma: int, seed: int
+        self,
+        session: Session,
+        cache_len: int,
+        append,
+        gamma: int,
+        seed: int,
+        guess_next: tuple[int, int] | None = None,
     ) -> Proposal:
-        """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens."""
+        """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens.
+        ``guess_next``: the next step's (gamma, seed) after a rejection, for a sampled
+        proposal whose step drafts ahead: guess its residual draws (``alternates``)."""
         require(1 <= gamma <= MAX_GAMMA, "gamma", f"must be in [1, {MAX_GAMMA}], got {gamma}")
         feed = self.check_tokens("append_tokens", append, min_len=1)
         self.check_room("gamma", cache_len + len(feed) + gamma)
@@ -153,12 +179,10 @@ class Drafter(ModelService):
         if head is not None:
             self.drop_guesses(session)
             proposal = self._from_head(session, head, gamma, start)
-            state.last = Drafted(*ask, proposal.tokens, proposal.alternates)
-            return proposal
-        proposal = await self._take_guess(session, ask, gamma, start)
+            return self._answer(session, ask, proposal, seed, guess_next)
+        proposal = await self._take_guess(session, ask, gamma, seed, start)
         if proposal is not None:
-            state.last = Drafted(*ask, proposal.tokens, proposal.alternates)
-            return proposal
+            return self._answer(session, ask, proposal, seed, guess_next)
         last = state.last
         chained = last is not None and ask == last.after()
         if chained:  # drafting ahead: last's verdict is to come
@@ -172,7 +196,20 @@ class Drafter(ModelService):
                 drafted.set_result(None)
         self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
-        state.last = Drafted(*ask, proposal.tokens, proposal.alternates, chained)
+        return self._answer(session, ask, proposal, seed, guess_next, chained)
+
+    def _answer(self, session, ask, proposal: Proposal, seed: int, guess_next, chained=False):
+        """Remember what a propose is answered with (``DraftState.last``); a sampled
+        one whose step drafts ahead gets its guesses of the residual draws."""
+        count = self.cfg.sampled_guesses
+        sampled = not session.params.greedy and count > 0 and guess_next is not None
+        if sampled and proposal.qs:
+            rng = side_generator(seed)  # not the stream its tokens were drawn from
+            n = min(len(proposal.tokens), count)
+            pairs = zip(proposal.qs[:n], proposal.tokens[:n], strict=True)
+            proposal.alternates = [guess_from(q, x, rng) for q, x in pairs]
+        nxt = guess_next if sampled else None
+        session.extra.last = Drafted(*ask, proposal.tokens, proposal.alternates, chained, nxt)
         return proposal
 
     def _draft(
@@ -258,7 +295,8 @@ class Drafter(ModelService):
         fits = nxt is not None and nxt.cache_len <= session.length
         unused = not ahead or outcome.accepted < len(drafts)  # the block drafted ahead
         key = None if nxt is None else (nxt.cache_len, nxt.pending)
-        guessed = unused and key in state.guesses
+        guess = state.guesses.get(key) if unused else None
+        guessed = guess is not None and (session.params.greedy or guess.seed == seed)
         self.drop_guesses(session, keep=key if guessed else None)  # the rest are moot
         if guessed:  # its propose takes the guess
             metrics.DRAFTED_ON.labels("skipped").inc()
@@ -333,29 +371,37 @@ class Drafter(ModelService):
         copy of the cache (see the module's docstring). The propose asking for that
         block has dropped the guesses before (``_take_guess``)."""
         state: DraftState = session.extra
-        if not self.cfg.guesses or not last.alternates or not session.params.greedy:
+        greedy = session.params.greedy
+        count = self.cfg.guesses if greedy else self.cfg.sampled_guesses
+        if not count or not last.alternates or (not greedy and last.next is None):
             return
         if self.loop.queued:  # other sessions' work waits: guesses only use idle time
             return
-        # A greedy block asked for ahead is one token longer (its first token is
-        # matched as the bonus): the next step, after a rejection, asks one fewer.
-        gamma = max(1, gamma - 1)
+        if greedy:
+            # A greedy block asked for ahead is one token longer (its first token is
+            # matched as the bonus): the next step, after a rejection, asks one fewer.
+            gamma, seed = max(1, gamma - 1), 0
+        else:  # drafted as the next step will ask for it
+            gamma, seed = last.next
         base = last.cache_len + len(last.feed)  # x_1's position in the history
-        first = 1 if last.chained else 0  # a chained greedy block's x_1 was the bonus
+        # A chained greedy block's x_1 was the bonus (a sampled one's is tested).
+        first = 1 if last.chained and greedy else 0
         budget = self.cfg.guess_copy_mb * 2**20  # bytes of cache the copies may take
         per_token = session.kv.bytes_per_token()
-        for i in range(first, min(len(last.tokens), first + self.cfg.guesses)):
+        for i in range(first, min(len(last.alternates), first + count)):
             at = base + i  # the history before x_{i+1}: what a rejection of it keeps
             budget -= at * per_token
             if at > session.length or at + 1 + gamma > self.max_context or budget < 0:
                 break
-            kv = session.kv.fork(at)
             y = last.alternates[i]
+            if y < 0:  # (sampled: no guess there)
+                continue
+            kv = session.kv.fork(at)
             task = asyncio.ensure_future(
-                self.run(self._draft(session, [y], gamma, 0, kv=kv), "guess")
+                self.run(self._draft(session, [y], gamma, seed, kv=kv), "guess")
             )
             task.add_done_callback(_consume)
-            state.guesses[(at, (y,))] = Guess(kv, time.perf_counter(), task)
+            state.guesses[(at, (y,))] = Guess(kv, time.perf_counter(), task, seed)
 
     def drop_guesses(self, session: Session, keep=None) -> None:
         """Stop and forget the session's guesses, but the one ``keep`` (an ask) names."""
@@ -365,19 +411,33 @@ class Drafter(ModelService):
             metrics.DRAFT_GUESSES.labels("unused").inc()
 
     async def _take_guess(
-        self, session: Session, ask: tuple[int, tuple[int, ...]], gamma: int, asked_at: float
+        self,
+        session: Session,
+        ask: tuple[int, tuple[int, ...]],
+        gamma: int,
+        seed: int,
+        asked_at: float,
     ) -> Proposal | None:
         """The proposal for ``ask`` from its guess, if there is one (the others are
         dropped): its copy of the cache becomes the session's, the block cut to
-        ``gamma`` tokens or drafted on to them. None: no such guess."""
+        ``gamma`` tokens or (greedy) drafted on to them. None: no such guess, or a
+        sampled one drafted with another seed or fewer tokens than asked (its draws
+        are not the ones this propose would make)."""
         state: DraftState = session.extra
         guess = state.guesses.pop(ask, None)
         self.drop_guesses(session)
         if guess is None or guess.task.cancelled():  # (stopped with the service)
             return None
+        if not session.params.greedy and guess.seed != seed:
+            guess.task.cancel()
+            metrics.DRAFT_GUESSES.labels("unused").inc()
+            return None
         try:
             proposal: Proposal = await asyncio.shield(guess.task)
         except Exception:  # (it failed: drafted anew)
+            return None
+        if not session.params.greedy and gamma > len(proposal.tokens):
+            metrics.DRAFT_GUESSES.labels("unused").inc()
             return None
         metrics.DRAFT_GUESSES.labels("used").inc()
         self.loop.forget(session.kv)

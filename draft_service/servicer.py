@@ -59,8 +59,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_on = p.HasField("relay") and p.relay.target and p.relay.HasField("draft_on")
             if draft_on:
                 self._check_draft_on(p)
+            # A sampled step that drafts ahead: its verify's residual draws are guessed,
+            # and the blocks after them drafted as the next step will ask (drafter).
+            on = p.relay.draft_on
+            guess_next = (on.gamma, on.seed) if draft_on and on.ahead else None
             proposal = await self.svc.propose(
-                session, p.cache_len, p.append_tokens, p.gamma, p.seed
+                session, p.cache_len, p.append_tokens, p.gamma, p.seed, guess_next
             )
             tracing.mark("drafted")
             q = pack_q(proposal.qs)
@@ -74,6 +78,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 verify.CopyFrom(p.relay.verify)
                 verify.draft_tokens[:] = proposal.tokens
                 verify.draft_q.CopyFrom(q)
+                if proposal.alternates and not session.params.greedy:
+                    verify.guess_tokens[:] = proposal.alternates
                 on_verdict = None
                 if draft_on:
                     on_verdict = self._draft_on(session, p, proposal.tokens)

@@ -120,6 +120,11 @@ class ModelServiceConfig:
     # each on a copy of its cache, guessing the target's token there as its own second
     # choice; the next propose takes the one it asks for. 0: off (draft_service/drafter.py).
     guesses: int = 4
+    # ... and in a sampled step that drafts ahead (relayed, drafting on), at the first
+    # `sampled_guesses` positions, from a draw from q without the drafted token, which
+    # the target's residual draw is then coupled to (docs/exactness.md, 4f). 0: off, the
+    # default: on the 2-core demo VM its drafting cost as much as it saved.
+    sampled_guesses: int = 0
     # ... copying at most this many MB of cache per step (fewer guesses past it).
     guess_copy_mb: float = 64.0
 
@@ -343,6 +348,7 @@ _NON_NEGATIVE = {
     "packed_linear_min_rows",
     "keep_freed_mb",
     "guesses",
+    "sampled_guesses",
     "guess_copy_mb",
 }
 
@@ -426,8 +432,10 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{section}.dtype: must be one of {DTYPES}, got {sub.dtype!r}")
         if not sub.model:
             raise ConfigError(f"{section}.model: required (a local model directory)")
-    if cfg.draft.guesses > MAX_GAMMA:
-        raise ConfigError(f"draft.guesses: must be <= {MAX_GAMMA}, got {cfg.draft.guesses}")
+    for key in ("guesses", "sampled_guesses"):
+        if getattr(cfg.draft, key) > MAX_GAMMA:
+            got = getattr(cfg.draft, key)
+            raise ConfigError(f"draft.{key}: must be <= {MAX_GAMMA}, got {got}")
     if cfg.gateway.chat_template not in CHAT_TEMPLATES:
         raise ConfigError(
             f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "

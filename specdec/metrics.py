@@ -260,9 +260,10 @@ DRAFTED_ON = Counter(
 )
 DRAFT_GUESSES = Counter(
     "specdec_model_draft_guesses_total",
-    "Blocks the draft drafted for a rejection before its verdict (greedy steps that "
-    "draft ahead; draft.guesses), from its own second choice at a drafted position: "
-    "used (the next propose asked for one) or unused.",
+    "Blocks the draft drafted for a rejection before its verdict (steps that draft "
+    "ahead; draft.guesses), from its guess of the target's token at a drafted position "
+    "(greedy: its second choice; sampled: a draw the target's residual draw is coupled "
+    "to): used (the next propose asked for one) or unused.",
     ["outcome"],
     registry=None,
 )

@@ -20,6 +20,12 @@ def generator(seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=seed))
 
 
+def side_generator(seed: int) -> np.random.Generator:
+    """A second stream for ``seed``, independent of ``generator(seed)``'s (the same
+    Philox key, jumped 2^128 draws ahead)."""
+    return np.random.Generator(np.random.Philox(key=seed).jumped())
+
+
 def uniforms(seed: int, n: int) -> torch.Tensor:
     """n uniforms in [0, 1) for one call: float64 [n]."""
     return torch.from_numpy(generator(seed).random(n))

@@ -551,6 +551,72 @@ def _residual_numpy(p: np.ndarray, q: torch.Tensor | QEntries) -> np.ndarray:
     return r
 
 
+# ---- a guess of the residual draw (temperature > 0) -------------------------------------------
+#
+# Where x_i is rejected the target emits a draw from r = norm(max(0, p_i - q_i)). The
+# draft may guess that token before the verdict and draft the next block from it
+# (``draft_service.drafter``, guesses): its guess y is drawn from g = q_i conditioned
+# on y != x_i. The target then draws its token coupled to y: it keeps y with
+# probability min(1, r(y) / g(y)), else draws from norm(max(0, r - g)). That is
+# section 1's step again, with r as the target and g as the draft, so the token is
+# distributed exactly as r; it equals y with probability sum(min(r, g)) (36% of
+# rejections on the demo pair at T=1, against 6% for a draw from g independent of the
+# target's). docs/exactness.md, section 4f.
+
+GUESS_TRIES = 32  # draws from q before a guess gives up (q nearly all on x)
+
+
+def guess_from(q: SparseQ, x: int, rng: np.random.Generator) -> int:
+    """y ~ g = q without x (q conditioned on y != x), or -1: no guess (q puts its
+    mass on x, or ``GUESS_TRIES`` draws in a row were x). Given that it returns a
+    token, the token is distributed as g; whether it does depends on ``rng`` alone."""
+    if q.prob(x) >= 1.0:
+        return -1
+    for _ in range(GUESS_TRIES):
+        y = q.sample(rng)
+        if y != x:
+            return y
+    return -1
+
+
+def guess_g(q: SparseQ, x: int) -> torch.Tensor:
+    """g = q without x, renormalized: [vocab] float64 (``guess_from``'s distribution)."""
+    g = q.dense()
+    g[x] = 0.0
+    return g / (1.0 - q.prob(x))
+
+
+def guess_coupling(r: torch.Tensor, g: torch.Tensor, y: int) -> tuple[float, torch.Tensor]:
+    """The residual draw coupled to a guess y ~ g. r, g: [vocab] float64, each summing
+    to 1. Returns (keep, h): keep y with probability ``keep`` = min(1, r(y) / g(y)),
+    otherwise draw from h = norm(max(0, r - g)) (r itself where that is empty: then
+    r = g, and y is always kept)."""
+    keep = min(1.0, float(r[y] / g[y]))
+    h = (r - g).clamp_min_(0)
+    mass = float(h.sum())
+    return keep, (h / mass if mass > 0 else r.clone())
+
+
+def _couple(
+    rows: torch.Tensor, qs: list[SparseQ], drafts: list[int], guesses, u_keep
+) -> dict[int, int]:
+    """The guessed positions' residual draws, coupled to their guesses. rows:
+    [gamma + 1, vocab] float64, the residual rows (then the bonus's); a guessed row
+    that does not keep its guess becomes h (``guess_coupling``), drawn from as usual.
+    Returns {position: y} for the guesses kept."""
+    kept = {}
+    for i, y in enumerate(guesses):
+        if y < 0:
+            continue
+        g = guess_g(qs[i], drafts[i]).to(rows.device)
+        keep, h = guess_coupling(rows[i], g, y)
+        if float(u_keep[i]) < keep:
+            kept[i] = y
+        else:
+            rows[i] = h
+    return kept
+
+
 def inverse_cdf(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row drawn with the given uniforms.
 
@@ -583,8 +649,10 @@ class Proposal:
     relay_bytes: int = 0  # what that relay put on the wire
     # Of compute_s, the seconds before the propose arrived (drafted on from an echo).
     lead_s: float = 0.0
-    # Draft only, greedy: its second choice at each position, a guess of the target's
-    # token where x_i is rejected (``draft_service.drafter``, guesses). Never sent.
+    # Draft only: a guess of the target's token where x_i is rejected, at each of the
+    # first positions (``draft_service.drafter``, guesses). Greedy: the draft's second
+    # choice, never sent. Sampled: a draw from q_i without x_i (``guess_from``; -1:
+    # none), sent with the verify, whose residual draw is coupled to it.
     alternates: list[int] | None = None
 
 
@@ -622,6 +690,8 @@ def verify_draft(
     u: torch.Tensor,
     keep_p: bool = False,
     pit: bool = False,
+    guesses=(),
+    u_keep: torch.Tensor | None = None,
 ) -> Verdict:
     """The target's half of a step.
 
@@ -631,6 +701,9 @@ def verify_draft(
     u: [gamma + 1] uniforms for the residual draws and the bonus draw.
     ``pit``: also report what a probability integral transform of each
     candidate token needs (``pit_terms``); never for greedy (p is one-hot there).
+    ``guesses``: the draft's guess y_i (``guess_from``; -1: none) of the residual draw
+    at the first positions, and ``u_keep``: a uniform each; the residual draw there
+    is coupled to it (``guess_coupling``). Not for greedy (nothing is drawn there).
     """
     gamma = len(draft_tokens)
     if len(qs) != gamma:
@@ -660,7 +733,10 @@ def verify_draft(
     rows[gamma:] = p[gamma:]
     if gamma:
         rows[:gamma] = residual_distribution(p[:gamma], entries)
+    kept = _couple(rows, qs, draft_tokens, guesses, u_keep) if any(y >= 0 for y in guesses) else {}
     drawn = inverse_cdf(rows, u).tolist()  # [gamma + 1]
+    for i, y in kept.items():
+        drawn[i] = y
     verdict = Verdict(
         p_draft=p_draft.tolist(),
         q_draft=q_draft,

@@ -90,6 +90,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 v.return_dense_p,
                 v.return_pit,
                 v.run_tokens,
+                v.guess_tokens,
             )
             out = target_pb2.Verdict(
                 p_draft=verdict.p_draft,

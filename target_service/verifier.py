@@ -64,15 +64,18 @@ class Verifier(ModelService):
         dense_p: bool = False,
         pit: bool = False,
         run: int = 1,
+        guesses=(),
     ) -> Verdict:
         """Roll back to ``cache_len``, then one forward over pending + drafts (a plain
-        run of ``run`` tokens: one forward per token)."""
+        run of ``run`` tokens: one forward per token). ``guesses``: the draft's guesses
+        of the residual draws (``Verify.guess_tokens``; ignored for greedy requests)."""
         pending, drafts = self.check_verify(session, cache_len, pending, drafts)
         require(
             len(qs) == len(drafts),
             "draft_q",
             f"needs one distribution per drafted token ({len(drafts)}), got {len(qs)}",
         )
+        guesses = [] if session.params.greedy else self.check_guesses(guesses, drafts, qs)
         run = max(run, 1)
         if run > 1:
             require(
@@ -92,11 +95,32 @@ class Verifier(ModelService):
         self.roll_back_to(session, cache_len)
         kind = "verify" if drafts else "decode"
         verdict = await self.run(
-            self._verify(session, pending, drafts, qs, seed, dense_p, pit, run), kind
+            self._verify(session, pending, drafts, qs, seed, dense_p, pit, run, guesses), kind
         )
         self.sessions.update_gauges()
         verdict.compute_s = time.perf_counter() - start
         return verdict
+
+    def check_guesses(self, guesses, drafts: list[int], qs: list[SparseQ]) -> list[int]:
+        """Validated ``guess_tokens``: at most one per drafted token, each -1 (none) or
+        a token that q_i without x_i can draw (``sampling.guess_from``)."""
+        guesses = [int(y) for y in guesses]
+        require(
+            len(guesses) <= len(drafts),
+            "guess_tokens",
+            f"at most one per drafted token ({len(drafts)}), got {len(guesses)}",
+        )
+        for i, y in enumerate(guesses):
+            if y < 0:
+                continue
+            x, q = drafts[i], qs[i]
+            require(
+                y < self.vocab_size and y != x and q.prob(y) > 0 and q.prob(x) < 1,
+                "guess_tokens",
+                f"[{i}] = {y}: not a token that draft_q[{i}] without draft_tokens[{i}] "
+                f"({x}) can draw",
+            )
+        return guesses
 
     def roll_back_to(self, session: Session, cache_len: int) -> int:
         removed = super().roll_back_to(session, cache_len)
@@ -104,7 +128,7 @@ class Verifier(ModelService):
             session.extra.length = -1
         return removed
 
-    def _verify(self, session, pending, drafts, qs, seed, dense_p, pit, run=1) -> Job:
+    def _verify(self, session, pending, drafts, qs, seed, dense_p, pit, run=1, guesses=()) -> Job:
         gamma = len(drafts)
         last: LastLogits = session.extra
         forward = None
@@ -120,10 +144,20 @@ class Verifier(ModelService):
         last.logits, last.length = logits[-1], session.length
         pit = pit and not session.params.greedy
         n = max(gamma + 1, run)
-        # Greedy draws nothing (p is one-hot, verify_draft reads no uniform).
-        u = torch.zeros(n, dtype=torch.float64) if session.params.greedy else uniforms(seed, n)
+        # Greedy draws nothing (p is one-hot, verify_draft reads no uniform). A guess's
+        # uniform follows the draws' (the draws stay those of a verify without guesses).
+        m = n + len(guesses)
+        u = torch.zeros(m, dtype=torch.float64) if session.params.greedy else uniforms(seed, m)
         verdict = verify_draft(
-            logits, drafts, qs, session.params, u[: gamma + 1], keep_p=dense_p, pit=pit
+            logits,
+            drafts,
+            qs,
+            session.params,
+            u[: gamma + 1],
+            keep_p=dense_p,
+            pit=pit,
+            guesses=guesses,
+            u_keep=u[n:],
         )
         tracing.mark("judged")
         passes = [forward] if forward is not None else []

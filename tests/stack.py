@@ -20,6 +20,11 @@ def drafted_on(stack: Stack, outcome: str) -> float:
     return stack.metric("draft", "specdec_model_drafted_on_total", f'outcome="{outcome}"')
 
 
+def guesses_used(stack: Stack) -> float:
+    """The draft's guesses so far that answered their propose (``draft.guesses``)."""
+    return stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
+
+
 def planted_env(tmp_path: Path, source: str) -> dict[str, str]:
     """An environment whose Python processes run ``source`` at start-up (as
     ``sitecustomize``): how a test plants a fault in the services it starts."""

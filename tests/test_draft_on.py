@@ -365,7 +365,8 @@ def test_a_guess_answers_its_rejection_exactly_as_drafted_anew(llama_pair):
 def test_guesses_that_are_not_asked_for_leave_the_cache_as_it_was(llama_pair):
     """A propose for no guess (another token at the rejected position), a rollback or a
     close drops every guess, and the session drafts from its own cache as if there had
-    been none. A sampled request (T > 0) has no guesses, nor a step that finds other
+    been none. A sampled request (T > 0) not told the next step's seed has no guesses
+    (``test_a_sampled_guess_answers_with_the_next_steps_seed``), nor a step that finds other
     sessions' work waiting for the draft's forwards; the copies of one step stay
     within guess_copy_mb."""
 
@@ -448,6 +449,101 @@ def test_an_echo_that_rejects_into_a_guess_starts_no_other_draft(llama_pair):
             used = _guesses("used")
             got = await p.draft.propose(s, nxt.cache_len, nxt.pending, 3, 21)
             assert _guesses("used") == used + 1 and got.tokens == want.tokens
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def _same_qs(a, b) -> bool:
+    return all(
+        (x.ids.tolist(), x.counts.tolist(), x.tail) == (y.ids.tolist(), y.counts.tolist(), y.tail)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_sampled_guess_answers_with_the_next_steps_seed(llama_pair):
+    """T > 0: a proposal whose step drafts ahead, told the next step's gamma and seed,
+    guesses the residual draw at each position with y_i ~ q_i without x_i; when the
+    block after it is asked for, the draft drafts the next block from each guess with
+    that seed. A propose for one of them with that seed is answered from it exactly as
+    drafted anew (tokens, q's, cache length), cut to fewer tokens; with another seed,
+    or more tokens than guessed, it is drafted anew. An echo that rejects into a
+    guess starts no head start. Without the next step's seed, or with
+    ``sampled_guesses`` 0 (the default): no guesses."""
+    params = SamplingParams(temperature=1.0)
+
+    async def go():
+        p = Pair(llama_pair)
+        p.draft.cfg.sampled_guesses = 3
+        try:
+            cases = ((0, 3, 21, True), (1, 2, 21, True), (2, 3, 22, False), (1, 4, 21, False))
+            for pos, ask, seed, served in cases:
+                s = await p.draft.open_draft(f"s{pos}{ask}{seed}", PROMPT[:-1], params, SHAPE)
+                cursor = Cursor.fresh(PROMPT)
+                first = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11, (3, 21))
+                ys = first.alternates
+                assert len(ys) == 3 and min(ys) >= 0
+                assert all(y != x for y, x in zip(ys, first.tokens, strict=True))
+                block = ahead(cursor, first.tokens)
+                await p.draft.propose(s, block.cache_len, block.pending, 3, 31)
+                assert sorted(s.extra.guesses) == [(cursor.end + i, (ys[i],)) for i in range(3)]
+                history = [*PROMPT, *first.tokens[:pos], ys[pos]]
+                ref = await p.draft.open_draft(f"r{pos}{ask}{seed}", history[:-1], params, SHAPE)
+                want = await p.draft.propose(ref, len(history) - 1, history[-1:], ask, seed)
+                used = _guesses("used")
+                got = await p.draft.propose(s, cursor.end + pos, [ys[pos]], ask, seed)
+                assert _guesses("used") == used + served, (pos, ask, seed)
+                assert got.tokens == want.tokens and _same_qs(got.qs, want.qs)
+                assert got.cache_len == want.cache_len == s.length and s.extra.guesses == {}
+
+            # The echo of a verdict whose token at the rejected x_2 is the guess there.
+            s = await p.draft.open_draft("echo", PROMPT[:-1], params, SHAPE)
+            cursor = Cursor.fresh(PROMPT)
+            first = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11, (3, 21))
+            block = ahead(cursor, first.tokens)
+            await p.draft.propose(s, block.cache_len, block.pending, 3, 31)
+            ys, u = first.alternates, [0.5] * 3
+            verdict = Verdict([1.0, 0.0, 0.0], [0.5] * 3, ys, 50)
+            p.draft.draft_on(s, s.extra.proposes - 1, cursor, first.tokens, verdict, u, 3, 21, True)
+            assert s.extra.head is None and list(s.extra.guesses) == [(cursor.end + 1, (ys[1],))]
+
+            s = await p.draft.open_draft("untold", PROMPT[:-1], params, SHAPE)
+            first = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11)
+            assert first.alternates is None
+            p.draft.cfg.sampled_guesses = 0  # (the default) off
+            s = await p.draft.open_draft("off", PROMPT[:-1], params, SHAPE)
+            first = await p.draft.propose(s, cursor.cache_len, cursor.pending, 3, 11, (3, 21))
+            assert first.alternates is None
+        finally:
+            await p.aclose()
+
+    asyncio.run(go())
+
+
+def test_the_target_couples_only_guesses_q_can_draw(llama_pair):
+    """``guess_tokens``: at most one per draft, each -1 or a token q_i without x_i can
+    draw; anything else is INVALID_ARGUMENT naming the field. Greedy ignores them."""
+    from specdec.errors import InvalidArgument
+
+    async def go():
+        p = Pair(llama_pair)
+        p.draft.cfg.sampled_guesses = 2
+        try:
+            for params in (SamplingParams(1.0), SamplingParams(0.0)):
+                d = await p.draft.open_draft(f"d{params.temperature}", PROMPT[:-1], params, SHAPE)
+                t = await p.target.open(f"t{params.temperature}", PROMPT[:-1], params)
+                c = Cursor.fresh(PROMPT)
+                prop = await p.draft.propose(d, c.cache_len, c.pending, 2, 11, (2, 5))
+                args = (t, c.cache_len, list(c.pending), prop.tokens, prop.qs, 12)
+                x = prop.tokens[0]
+                bad = ([x], [-1, -1, 3], [p.target.vocab_size])
+                for guesses in bad if params.temperature else ():
+                    with pytest.raises(InvalidArgument, match="^guess_tokens"):
+                        await p.target.verify(*args, guesses=guesses)
+                ok = [-1, prop.alternates[1]] if params.temperature else [x]
+                v = await p.target.verify(*args, guesses=ok)
+                assert len(v.residual_tokens) == 2
         finally:
             await p.aclose()
 

@@ -10,9 +10,11 @@ block k) keeps the output exactly the target's.
   its first token is the bonus);
 * statistical, through the gRPC services: the tokens at positions 1, 2 and 3
   of requests that chain (gamma 1, every draft drafted ahead) follow the
-  target's marginals; the same test run against an orchestrator that takes
-  the first token of a block drafted ahead without testing it must fail
-  (in-process, where it is quicker to plant).
+  target's marginals, also with drafting on and sampled guesses; the same test
+  run against an orchestrator that takes the first token of a block drafted
+  ahead without testing it must fail (in-process, where it is quicker to
+  plant), and so must a target planted to emit the draft's guess of its
+  residual draw whenever it gets one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from specdec.sampling import SamplingParams, probs_from_logits, residual_distrib
 
 from .conftest import WIRE_TOP_K
 from .inprocess import in_process
-from .stack import drafted_on, local_stack
+from .stack import drafted_on, guesses_used, local_stack, planted_env
 from .stats import CONCURRENT, tv, tv_threshold
 
 # ---- exact: the pipelined step's output distribution ----------------------------------------
@@ -227,19 +229,52 @@ def test_overlapped_sampling_follows_the_target(llama_stack, llama_pair):
 def test_overlapped_sampling_follows_the_target_when_drafting_on(tmp_path, llama_pair):
     """Every step relayed, with drafting on: after a step that rejects, the next
     proposal comes from a head start the draft drafted on the echoed verdict, while
-    the orchestrator also asked for the block drafted ahead (``DraftOn.ahead``)."""
+    the orchestrator also asked for the block drafted ahead (``DraftOn.ahead``), or
+    from a guess (``draft.sampled_guesses``): every rejection's residual draw is
+    coupled to the draft's guess there (docs/exactness.md, 4f)."""
     with local_stack(
         tmp_path / "stack",
         *llama_pair,
         orchestrator__wire_top_k=WIRE_TOP_K,
         orchestrator__relay_max_requests=0,
+        draft__sampled_guesses=4,
     ) as stack:
         results, chained = _check(stack, llama_pair, SamplingParams(1.0))
         used = drafted_on(stack, "used")
+        guessed = guesses_used(stack)
+    print("head starts used", used, "guesses used", guessed)
     assert chained > N // 10, f"only {chained} of {N} requests chained a step"
     assert used > N // 10, f"only {used} head starts were used"
+    assert guessed > N // 100, f"only {guessed} guesses were used"
     for name, (dist, threshold) in results.items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+BROKEN_COUPLING = """
+import specdec.sampling as s
+_coupling = s.guess_coupling
+def _always_keep(r, g, y):  # BROKEN: the draft's guess is emitted whenever it is sent
+    return 1.0, _coupling(r, g, y)[1]
+s.guess_coupling = _always_keep
+"""
+
+
+@pytest.mark.slow
+def test_a_broken_coupling_of_the_drafts_guesses_fails_the_same_test(tmp_path, llama_pair):
+    """The stack of the test above, with the target emitting the draft's guess of its
+    residual draw whenever there is one (``sampling.guess_coupling``, planted)."""
+    with local_stack(
+        tmp_path / "stack",
+        *llama_pair,
+        env=planted_env(tmp_path, BROKEN_COUPLING),
+        orchestrator__wire_top_k=WIRE_TOP_K,
+        orchestrator__relay_max_requests=0,
+        draft__sampled_guesses=4,
+    ) as stack:
+        results, chained = _check(stack, llama_pair, SamplingParams(1.0))
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    failed = [k for k, (d, t) in results.items() if d >= t]
+    assert failed, f"the broken coupling passed: {results}"
 
 
 def test_a_pipeline_that_skips_the_chained_test_fails_the_same_test(llama_pair, monkeypatch):
