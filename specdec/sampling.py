@@ -31,6 +31,7 @@ Not for: models, caches or the wire format (``specdec.wire``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -598,7 +599,11 @@ def guess_coupling(r: torch.Tensor, g: torch.Tensor, y: int) -> tuple[float, tor
 
 
 def _couple(
-    rows: torch.Tensor, qs: list[SparseQ], drafts: list[int], guesses, u_keep
+    rows: torch.Tensor,
+    qs: list[SparseQ],
+    drafts: list[int],
+    guesses: Sequence[int],
+    u_keep: torch.Tensor,
 ) -> dict[int, int]:
     """The guessed positions' residual draws, coupled to their guesses. rows:
     [gamma + 1, vocab] float64, the residual rows (then the bonus's); a guessed row
@@ -690,7 +695,7 @@ def verify_draft(
     u: torch.Tensor,
     keep_p: bool = False,
     pit: bool = False,
-    guesses=(),
+    guesses: Sequence[int] = (),
     u_keep: torch.Tensor | None = None,
 ) -> Verdict:
     """The target's half of a step.

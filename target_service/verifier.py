@@ -10,6 +10,7 @@ Not for: gRPC (``target_service.servicer``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,7 @@ class Verifier(ModelService):
         dense_p: bool = False,
         pit: bool = False,
         run: int = 1,
-        guesses=(),
+        guesses: Sequence[int] = (),
     ) -> Verdict:
         """Roll back to ``cache_len``, then one forward over pending + drafts (a plain
         run of ``run`` tokens: one forward per token). ``guesses``: the draft's guesses
@@ -101,7 +102,9 @@ class Verifier(ModelService):
         verdict.compute_s = time.perf_counter() - start
         return verdict
 
-    def check_guesses(self, guesses, drafts: list[int], qs: list[SparseQ]) -> list[int]:
+    def check_guesses(
+        self, guesses: Sequence[int], drafts: list[int], qs: list[SparseQ]
+    ) -> list[int]:
         """Validated ``guess_tokens``: at most one per drafted token, each -1 (none) or
         a token that q_i without x_i can draw (``sampling.guess_from``)."""
         guesses = [int(y) for y in guesses]
