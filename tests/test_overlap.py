@@ -170,8 +170,9 @@ def _exact_positions(pair, params: SamplingParams):
 
 
 def _fields(seed: int, params: SamplingParams) -> dict:
-    return dict(prompt=PROMPT, max_new_tokens=4, temperature=params.temperature, gamma=1,
-                overlap=True, seed=seed)  # fmt: skip
+    return dict(prompt=PROMPT, max_new_tokens=4, temperature=params.temperature,
+                top_k=params.top_k, top_p=params.top_p, gamma=1, overlap=True,
+                seed=seed)  # fmt: skip
 
 
 def _columns(rows):
@@ -246,6 +247,33 @@ def test_overlapped_sampling_follows_the_target_when_drafting_on(tmp_path, llama
     assert chained > N // 10, f"only {chained} of {N} requests chained a step"
     assert used > N // 10, f"only {used} head starts were used"
     assert guessed > N // 100, f"only {guessed} guesses were used"
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+@pytest.mark.slow
+def test_sampled_guesses_over_the_hidden_wire_with_top_k_and_top_p_follow_the_target(
+    tmp_path, llama_pair
+):
+    """The same with q derived from the draft's hidden states on both sides (the
+    draft's guesses are draws from that q without x_i) and a q whose support top-k
+    and top-p cut (the guesses never leave it)."""
+    draft, target = llama_pair
+    params = SamplingParams(0.8, top_k=12, top_p=0.9)
+    with local_stack(
+        tmp_path / "stack",
+        draft,
+        target,
+        orchestrator__relay_max_requests=0,
+        draft__sampled_guesses=4,
+        draft__hidden_q=True,
+        target__draft_head=str(draft),
+    ) as stack:
+        results, chained = _check(stack, llama_pair, params)
+        guessed = guesses_used(stack)
+    print("guesses used", guessed)
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    assert guessed > 0, "no guess was used"
     for name, (dist, threshold) in results.items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
 
