@@ -30,11 +30,13 @@ does not depend on the seed), it takes that copy as the session's cache and
 answers at once; the others are dropped. On the demo pair the target's token is
 the draft's second choice at 69% of greedy rejections. At T > 0 the target's
 token there is a draw from the residual r, which the draft's argmax hits at 14%
-of rejections; instead the draft draws its guess y_i from q_i without x_i and
-sends it with the verify, and the target draws its token coupled to y_i
+of rejections; instead, in a step that drafts ahead, the draft draws its guess
+y_i from q_i without x_i and sends it with the verify (relayed or back to the
+orchestrator), and the target draws its token coupled to y_i
 (``sampling.guess_coupling``: still distributed as r, and y_i 36% of the time).
-A sampled block depends on its seed, so these guesses are drafted only when the
-proposal's relay tells the next step's gamma and seed (``DraftOn``), with them.
+A sampled block depends on its seed, so the blocks after these guesses are
+drafted only when the proposal's relay tells the next step's gamma and seed
+(``DraftOn``), with them.
 Opt-in (``sampled_guesses``): a sampled block costs the draft its q and draw at
 every position, and on the 2-core demo VM that cost what the guesses saved.
 Only while no other session's work waits for the draft's forwards: under load
@@ -160,10 +162,13 @@ class Drafter(ModelService):
         gamma: int,
         seed: int,
         guess_next: tuple[int, int] | None = None,
+        guess: bool = False,
     ) -> Proposal:
         """Roll back to ``cache_len``, feed ``append``, draft ``gamma`` tokens.
-        ``guess_next``: the next step's (gamma, seed) after a rejection, for a sampled
-        proposal whose step drafts ahead: guess its residual draws (``alternates``)."""
+        ``guess``: the step drafts ahead; a sampled proposal then guesses its residual
+        draws (``alternates``; ``sampled_guesses``). ``guess_next``: the next step's
+        (gamma, seed) after a rejection, which the blocks after the guesses are drafted
+        with (only then are they drafted)."""
         require(1 <= gamma <= MAX_GAMMA, "gamma", f"must be in [1, {MAX_GAMMA}], got {gamma}")
         feed = self.check_tokens("append_tokens", append, min_len=1)
         self.check_room("gamma", cache_len + len(feed) + gamma)
@@ -179,10 +184,10 @@ class Drafter(ModelService):
         if head is not None:
             self.drop_guesses(session)
             proposal = self._from_head(session, head, gamma, start)
-            return self._answer(session, ask, proposal, seed, guess_next)
+            return self._answer(session, ask, proposal, seed, guess, guess_next)
         proposal = await self._take_guess(session, ask, gamma, seed, start)
         if proposal is not None:
-            return self._answer(session, ask, proposal, seed, guess_next)
+            return self._answer(session, ask, proposal, seed, guess, guess_next)
         last = state.last
         chained = last is not None and ask == last.after()
         if chained:  # drafting ahead: last's verdict is to come
@@ -196,13 +201,16 @@ class Drafter(ModelService):
                 drafted.set_result(None)
         self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
-        return self._answer(session, ask, proposal, seed, guess_next, chained)
+        return self._answer(session, ask, proposal, seed, guess, guess_next, chained)
 
-    def _answer(self, session, ask, proposal: Proposal, seed: int, guess_next, chained=False):
+    def _answer(
+        self, session, ask, proposal: Proposal, seed: int, guess, guess_next, chained=False
+    ):
         """Remember what a propose is answered with (``DraftState.last``); a sampled
         one whose step drafts ahead gets its guesses of the residual draws."""
         count = self.cfg.sampled_guesses
-        sampled = not session.params.greedy and count > 0 and guess_next is not None
+        guess = guess or guess_next is not None
+        sampled = not session.params.greedy and count > 0 and guess
         if sampled and proposal.qs:
             rng = side_generator(seed)  # not the stream its tokens were drawn from
             n = min(len(proposal.tokens), count)

@@ -64,8 +64,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             on = p.relay.draft_on
             guess_next = (on.gamma, on.seed) if draft_on and on.ahead else None
             proposal = await self.svc.propose(
-                session, p.cache_len, p.append_tokens, p.gamma, p.seed, guess_next
+                session,
+                p.cache_len,
+                p.append_tokens,
+                p.gamma,
+                p.seed,
+                guess_next,
+                guess=p.guess_residuals,
             )
+            guesses = proposal.alternates if not session.params.greedy else None
             tracing.mark("drafted")
             q = pack_q(proposal.qs)
             relayed, relay_bytes = False, 0
@@ -78,8 +85,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 verify.CopyFrom(p.relay.verify)
                 verify.draft_tokens[:] = proposal.tokens
                 verify.draft_q.CopyFrom(q)
-                if proposal.alternates and not session.params.greedy:
-                    verify.guess_tokens[:] = proposal.alternates
+                if guesses:
+                    verify.guess_tokens[:] = guesses
                 on_verdict = None
                 if draft_on:
                     on_verdict = self._draft_on(session, p, proposal.tokens)
@@ -99,6 +106,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             )
             if not relayed:
                 out.q.CopyFrom(q)
+                if guesses:
+                    out.guess_tokens[:] = guesses
             tracing.mark("reply")
             return draft_pb2.DraftReply(proposal=out)
         if kind == "rollback":

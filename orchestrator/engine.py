@@ -469,7 +469,10 @@ class Generation:
                             on = DraftOn(tuple(u), next_gamma, self.next_draft_seed, overlap)
                             relay = dataclasses.replace(relay, draft_on=on)
                 tracing.mark("propose")
-                proposal = await self.draft.propose(gamma, draft_seed, relay=relay)
+                # A sampled step that drafts ahead has its residual draws guessed
+                # (draft.sampled_guesses), relayed or not: the same seed, the same draws.
+                guess = overlap and not self.spec.params.greedy
+                proposal = await self.draft.propose(gamma, draft_seed, relay=relay, guess=guess)
                 tracing.mark("proposed")
                 relayed = proposal is not None and proposal.relayed
                 if relay is not None:
@@ -495,7 +498,9 @@ class Generation:
             if next_gamma:
                 cursor = ahead(self.draft.cursor, drafts)
                 ahead_task = asyncio.ensure_future(
-                    self.draft.propose(next_gamma + match, ahead_seed, ahead=cursor)
+                    self.draft.propose(
+                        next_gamma + match, ahead_seed, ahead=cursor, guess=not match
+                    )
                 )
         run = 1 if drafts else plain_run
         try:

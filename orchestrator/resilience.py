@@ -166,9 +166,11 @@ class DraftLink(_Link):
         seed: int,
         ahead: Cursor | None = None,
         relay: RelayTo | None = None,
+        guess: bool = False,
     ) -> Proposal | None:
         """A draft of gamma tokens from ``self.cursor``, or None (this step falls back).
         ``relay``: the draft also sends it on to the target (``Proposal.relayed``).
+        ``guess``: see ``DraftSession.propose``.
 
         ``ahead``: draft from this cursor instead (drafting on while the target
         verifies, as if every pending draft will be accepted). Such a draft is only
@@ -182,7 +184,12 @@ class DraftLink(_Link):
                 return None
             try:
                 proposal = await self.session.propose(
-                    ahead, gamma, seed, self.budget.left(self.budget.draft_timeout_s), ahead=True
+                    ahead,
+                    gamma,
+                    seed,
+                    self.budget.left(self.budget.draft_timeout_s),
+                    ahead=True,
+                    guess=guess,
                 )
             except SpecdecError as e:
                 if self.budget.passed():
@@ -207,7 +214,12 @@ class DraftLink(_Link):
                 if self.session is None:
                     await self._open()
                 proposal = await self.session.propose(
-                    self.cursor, gamma, seed, self.budget.left(self.budget.draft_timeout_s), relay
+                    self.cursor,
+                    gamma,
+                    seed,
+                    self.budget.left(self.budget.draft_timeout_s),
+                    relay,
+                    guess=guess,
                 )
                 self._succeeded()
                 return proposal

@@ -120,10 +120,11 @@ class ModelServiceConfig:
     # each on a copy of its cache, guessing the target's token there as its own second
     # choice; the next propose takes the one it asks for. 0: off (draft_service/drafter.py).
     guesses: int = 4
-    # ... and in a sampled step that drafts ahead (relayed, drafting on), at the first
-    # `sampled_guesses` positions, from a draw from q without the drafted token, which
-    # the target's residual draw is then coupled to (docs/exactness.md, 4f). 0: off, the
-    # default: on the 2-core demo VM its drafting cost as much as it saved.
+    # ... and in a sampled step that drafts ahead, at the first `sampled_guesses`
+    # positions, from a draw from q without the drafted token, which the target's
+    # residual draw is then coupled to (docs/exactness.md, 4f; the blocks are drafted
+    # in relayed steps with drafting on). 0: off, the default: on the 2-core demo VM
+    # its drafting cost as much as it saved.
     sampled_guesses: int = 0
     # ... copying at most this many MB of cache per step (fewer guesses past it).
     guess_copy_mb: float = 64.0

@@ -267,6 +267,14 @@ DRAFT_GUESSES = Counter(
     ["outcome"],
     registry=None,
 )
+RESIDUAL_GUESSES = Counter(
+    "specdec_model_residual_guesses_total",
+    "Sampled residual draws coupled to the draft's guess (draft.sampled_guesses), at "
+    "every guessed position whether or not its draft is accepted: kept (the target's "
+    "token there is the guess) or redrawn (drawn from norm(max(0, r - g))).",
+    ["outcome"],
+    registry=None,
+)
 RELAY_REFUSALS = Counter(
     "specdec_model_relay_refusals_total",
     "Proposals this draft relayed that the target refused (no such session there, or "
@@ -368,6 +376,7 @@ _MODEL_METRICS = (
     RELAY_REFUSALS,
     DRAFTED_ON,
     DRAFT_GUESSES,
+    RESIDUAL_GUESSES,
     BATCH_SESSIONS,
     BATCH_TOKENS,
     QUEUE_WAIT,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import tracing
+from specdec import metrics, tracing
 from specdec.config import MAX_GAMMA
 from specdec.errors import FailedPrecondition, require
 from specdec.model_service import ModelService
@@ -42,6 +42,8 @@ class Verifier(ModelService):
     def __init__(self, cfg, model=None, tokenizer=None) -> None:
         super().__init__("target", cfg, model, tokenizer)
         self.eos = frozenset(self.info.eos_token_ids)  # a plain run ends after one
+        for outcome in ("kept", "redrawn"):  # 0 on dashboards, not nothing
+            metrics.RESIDUAL_GUESSES.labels(outcome)
 
     async def open(self, session_id: str, tokens, params, extra=None) -> Session:
         return await super().open(session_id, tokens, params, extra=LastLogits())
@@ -163,6 +165,9 @@ class Verifier(ModelService):
             u_keep=u[n:],
         )
         tracing.mark("judged")
+        for y, z in zip(guesses, verdict.residual_tokens, strict=False):
+            if y >= 0:  # (a draw not kept is never the guess: h(y) = 0 there)
+                metrics.RESIDUAL_GUESSES.labels("kept" if z == y else "redrawn").inc()
         passes = [forward] if forward is not None else []
         # A plain run: feed each draw and draw the next from the p after it.
         token = verdict.bonus_token

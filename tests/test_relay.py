@@ -100,9 +100,12 @@ class _Relayed:
 @pytest.fixture(scope="module")
 def ab_stack(tmp_path_factory, llama_pair):
     """One draft and target; the stack's orchestrator relays (and the draft drafts on),
-    a second one does not relay, a third relays without drafting on."""
+    a second one does not relay, a third relays without drafting on. The draft guesses
+    sampled residual draws (``sampled_guesses``), which must not depend on the route."""
     draft, target = llama_pair
-    with local_stack(tmp_path_factory.mktemp("relay-ab"), draft, target) as stack:
+    with local_stack(
+        tmp_path_factory.mktemp("relay-ab"), draft, target, draft__sampled_guesses=4
+    ) as stack:
         direct, _ = stack.start_orchestrator(
             "direct",
             stack.address("draft"),
@@ -118,12 +121,20 @@ def ab_stack(tmp_path_factory, llama_pair):
         yield stack, direct, waiting
 
 
+def _residual_guesses(stack) -> float:
+    return sum(
+        stack.metric("target", "specdec_model_residual_guesses_total", f'outcome="{o}"')
+        for o in ("kept", "redrawn")
+    )
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
     """Same seed, same draws: relayed steps emit exactly what direct ones do, and
     drafting on (the draft settles each step itself from the echoed verdict and
     drafts the next) changes nothing either, greedy and sampled, for every gamma,
-    and with drafting ahead (overlap) too."""
+    and with drafting ahead (overlap) too, where sampled residual draws are coupled
+    to the draft's guesses on every route."""
     stack, direct, waiting = ab_stack
     before = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
     used = drafted_on(stack, "used")
@@ -138,7 +149,10 @@ def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
                 overlap=overlap,
             )
             relayed, _, _ = stack.generate_raw(**fields)
+            coupled = _residual_guesses(stack)
             plain, _, _ = stack.generate_raw(address=direct, **fields)
+            if temperature and overlap:  # the direct route's draws were coupled too
+                assert _residual_guesses(stack) > coupled, (gamma, seed)
             assert relayed == plain, (gamma, seed)
             assert stack.generate_raw(address=waiting, **fields)[0] == plain, (gamma, seed)
     after = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')

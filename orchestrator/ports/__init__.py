@@ -69,11 +69,14 @@ class DraftSession(Protocol):
         timeout: float | None,
         relay: RelayTo | None = None,
         ahead: bool = False,
+        guess: bool = False,
     ) -> Proposal:
         """A draft from ``cursor``; with ``relay``, also sent on to the target (the
         proposal says whether the target took it: ``Proposal.relayed``). ``ahead``: a
         block drafted ahead, which has no tokens if an echoed verdict already made it
-        unused (``DraftOn.ahead``)."""
+        unused (``DraftOn.ahead``). ``guess``: the step drafts ahead, so a sampled
+        proposal carries the draft's guesses of the residual draws, if it makes them
+        (``Proposal.alternates``, for the verify)."""
         ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...

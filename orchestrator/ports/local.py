@@ -46,10 +46,11 @@ class LocalDraftSession:
         timeout: float | None = None,
         relay: RelayTo | None = None,  # nothing to relay around in one process
         ahead: bool = False,
+        guess: bool = False,
     ) -> Proposal:
         async with _deadline("draft", timeout):
             return await self.svc.propose(
-                self.session, cursor.cache_len, cursor.pending, gamma, seed
+                self.session, cursor.cache_len, cursor.pending, gamma, seed, guess=guess
             )
 
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:
@@ -90,9 +91,20 @@ class LocalTargetSession:
                     head=self.svc.head,
                     params=self.session.params,
                 )
+        # (a sampled proposal's guesses of the residual draws; a greedy one's are ignored)
+        guesses = (proposal.alternates if proposal is not None else None) or ()
         async with _deadline("target", timeout):
             return await self.svc.verify(
-                self.session, cursor.cache_len, cursor.pending, drafts, qs, seed, dense_p, pit, run
+                self.session,
+                cursor.cache_len,
+                cursor.pending,
+                drafts,
+                qs,
+                seed,
+                dense_p,
+                pit,
+                run,
+                guesses,
             )
 
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:

@@ -80,9 +80,14 @@ class RemoteDraftSession:
         timeout: float | None,
         relay: RelayTo | None = None,
         ahead: bool = False,
+        guess: bool = False,
     ) -> Proposal:
         propose = draft_pb2.Propose(
-            cache_len=cursor.cache_len, append_tokens=cursor.pending, gamma=gamma, seed=seed
+            cache_len=cursor.cache_len,
+            append_tokens=cursor.pending,
+            gamma=gamma,
+            seed=seed,
+            guess_residuals=guess,
         )
         if relay is not None:
             to = propose.relay
@@ -112,6 +117,7 @@ class RemoteDraftSession:
             relayed=p.relayed,
             relay_bytes=p.relay_bytes,
             lead_s=p.lead_s,
+            alternates=list(p.guess_tokens) or None,
         )
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:
@@ -156,6 +162,8 @@ class RemoteTargetSession:
                 v.draft_q.CopyFrom(
                     proposal.packed if proposal.packed is not None else pack_q(proposal.qs)
                 )
+                if proposal.alternates:  # (sampled: the greedy ones never come here)
+                    v.guess_tokens.extend(proposal.alternates)
             if self.cancels:
                 v.cancel_relays.extend(self.cancels)
                 self.cancels.clear()

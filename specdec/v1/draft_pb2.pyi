@@ -29,18 +29,20 @@ class DraftReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay")
+    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay", "guess_residuals")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    GUESS_RESIDUALS_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     seed: int
     relay: RelayTo
-    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ...) -> None: ...
+    guess_residuals: bool
+    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ..., guess_residuals: _Optional[bool] = ...) -> None: ...
 
 class RelayTo(_message.Message):
     __slots__ = ("target", "relay_token", "verify", "draft_on")
@@ -67,7 +69,7 @@ class DraftOn(_message.Message):
     def __init__(self, uniforms: _Optional[_Iterable[float]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes", "lead_s")
+    __slots__ = ("tokens", "q", "cache_len", "compute_s", "forward_s", "batch_tokens", "relayed", "relay_bytes", "lead_s", "guess_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class Proposal(_message.Message):
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     RELAY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEAD_S_FIELD_NUMBER: _ClassVar[int]
+    GUESS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _common_pb2.PackedQ
     cache_len: int
@@ -86,4 +89,5 @@ class Proposal(_message.Message):
     relayed: bool
     relay_bytes: int
     lead_s: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ..., relayed: _Optional[bool] = ..., relay_bytes: _Optional[int] = ..., lead_s: _Optional[float] = ...) -> None: ...
+    guess_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[float] = ..., relayed: _Optional[bool] = ..., relay_bytes: _Optional[int] = ..., lead_s: _Optional[float] = ..., guess_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
