@@ -189,9 +189,9 @@ def _sample(stack, params: SamplingParams):
         return _columns(list(pool.map(one, range(N))))
 
 
-def _sample_in_process(pair, params: SamplingParams):
+def _sample_in_process(pair, params: SamplingParams, draft: dict | None = None):
     async def scenario():
-        async with in_process(*pair, wire_top_k=WIRE_TOP_K) as system:
+        async with in_process(*pair, draft=draft, wire_top_k=WIRE_TOP_K) as system:
             slots = asyncio.Semaphore(CONCURRENT)
 
             async def one(seed):
@@ -204,10 +204,11 @@ def _sample_in_process(pair, params: SamplingParams):
     return _columns(asyncio.run(scenario()))
 
 
-def _check(stack, pair, params):
-    """``stack``: the gRPC services, or None for the in-process engine."""
+def _check(stack, pair, params, draft: dict | None = None):
+    """``stack``: the gRPC services, or None for the in-process engine (``draft``: its
+    draft service's settings)."""
     p1, p2, p3 = _exact_positions(pair, params)
-    sampled = _sample(stack, params) if stack else _sample_in_process(pair, params)
+    sampled = _sample(stack, params) if stack else _sample_in_process(pair, params, draft)
     x1, x2, x3, chained = sampled
     results = {
         "position 1": (tv(x1, p1), tv_threshold(p1, N)),
@@ -274,6 +275,21 @@ def test_sampled_guesses_over_the_hidden_wire_with_top_k_and_top_p_follow_the_ta
     print("guesses used", guessed)
     assert chained > N // 10, f"only {chained} of {N} requests chained a step"
     assert guessed > 0, "no guess was used"
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+def test_in_process_sampled_guesses_follow_the_target(llama_pair):
+    """In one process (no relays: the guesses go with the engine's own verify)."""
+    from specdec import metrics
+
+    def coupled() -> float:
+        return sum(metrics.RESIDUAL_GUESSES.labels(o)._value.get() for o in ("kept", "redrawn"))
+
+    before = coupled()
+    results, chained = _check(None, llama_pair, SamplingParams(1.0), {"sampled_guesses": 4})
+    assert coupled() - before > N // 2, "the draws were not coupled to guesses"
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
     for name, (dist, threshold) in results.items():
         assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
 
