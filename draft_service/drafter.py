@@ -117,7 +117,8 @@ class Guess:
     kv: SessionKV  # the session's cache up to the rejected position, then this block's
     started: float
     task: asyncio.Future  # -> Proposal
-    seed: int = 0  # what it was drafted with (sampled; greedy draws nothing)
+    # What it was drafted with; None: a greedy block, which draws nothing (any seed).
+    seed: int | None = None
 
 
 @dataclass
@@ -304,7 +305,7 @@ class Drafter(ModelService):
         unused = not ahead or outcome.accepted < len(drafts)  # the block drafted ahead
         key = None if nxt is None else (nxt.cache_len, nxt.pending)
         guess = state.guesses.get(key) if unused else None
-        guessed = guess is not None and (session.params.greedy or guess.seed == seed)
+        guessed = guess is not None and guess.seed in (None, seed)
         self.drop_guesses(session, keep=key if guessed else None)  # the rest are moot
         if guessed:  # its propose takes the guess
             metrics.DRAFTED_ON.labels("skipped").inc()
@@ -409,7 +410,8 @@ class Drafter(ModelService):
                 self.run(self._draft(session, [y], gamma, seed, kv=kv), "guess")
             )
             task.add_done_callback(_consume)
-            state.guesses[(at, (y,))] = Guess(kv, time.perf_counter(), task, seed)
+            kept_seed = None if greedy else seed
+            state.guesses[(at, (y,))] = Guess(kv, time.perf_counter(), task, kept_seed)
 
     def drop_guesses(self, session: Session, keep=None) -> None:
         """Stop and forget the session's guesses, but the one ``keep`` (an ask) names."""
@@ -436,7 +438,7 @@ class Drafter(ModelService):
         self.drop_guesses(session)
         if guess is None or guess.task.cancelled():  # (stopped with the service)
             return None
-        if not session.params.greedy and guess.seed != seed:
+        if guess.seed not in (None, seed):
             guess.task.cancel()
             metrics.DRAFT_GUESSES.labels("unused").inc()
             return None
