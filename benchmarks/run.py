@@ -776,10 +776,12 @@ def main(argv: list[str] | None = None) -> int:
         log("services on shared cores: plain, sequential and overlapped gamma 1-6, adaptive")
         # Both services hold the draft's output layer for the wire section's hidden-state
         # wire; every orchestrator but that section's sends lists (wire_hidden false).
+        # On shared cores, adaptive requests decode plain from 3 requests at once, as
+        # configs/default.yaml (the local deployment on these cores) sets.
         hidden = {
             "draft": {"hidden_q": True},
             "target": {"draft_head": str(args.draft)},
-            "orchestrator": {"wire_hidden": False},
+            "orchestrator": {"wire_hidden": False, "adaptive_speculate_max_requests": 2},
         }
         stack = start_services(
             out / "shared", args.draft, args.target, threads=1, draft_threads=1, settings=hidden

@@ -330,12 +330,20 @@ class CostModel:
     explore_per_request: bool = True
     # Adaptive requests draft ahead only while at most this many requests generate.
     overlap_max_requests: int = 1
+    # Adaptive requests draft at all only while at most this many requests generate
+    # (0: at any load); above it they decode plain, unchecked and unexplored.
+    speculate_max_requests: int = 0
+
+    def speculates(self, requests: int) -> bool:
+        """Whether adaptive requests may draft with ``requests`` requests generating
+        at once (``speculate_max_requests``)."""
+        return not self.speculate_max_requests or requests <= self.speculate_max_requests
 
     def guard(self, greedy: bool, requests: int) -> PlainGuard | None:
         """The check against plain decoding for this sampling class with ``requests``
         requests generating at once (None below ``check_min_requests``: the model
         decides alone)."""
-        if requests < self.check_min_requests:
+        if requests < self.check_min_requests or not self.speculates(requests):
             return None
         key = (greedy, load_bucket(requests))
         if key not in self.guards:
@@ -627,8 +635,12 @@ class RequestPolicy:
 
     def plain_now(self) -> bool:
         """Whether the next step is plain whatever the model says: an adaptive request
-        in a plain epoch of the check."""
-        return self.gamma is None and self.guard is not None and self.guard.arm == "plain"
+        in a plain epoch of the check, or above ``speculate_max_requests``."""
+        if self.gamma is not None:
+            return False
+        return (self.guard is not None and self.guard.arm == "plain") or not self.model.speculates(
+            self.load
+        )
 
     def choose(self, limit: int, run: int = 1) -> tuple[int, bool]:
         """gamma (<= limit) and whether to draft ahead, for the next step; a plain
@@ -636,8 +648,8 @@ class RequestPolicy:
         if self.gamma is not None:
             g = min(self.gamma, limit)
             return g, self.overlap and g > 0
-        self.arm = "plain" if self.plain_now() else "model"
-        if self.arm == "plain":
+        self.arm = "plain" if self.guard is not None and self.guard.arm == "plain" else "model"
+        if self.plain_now():
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False
         alpha = self.alpha

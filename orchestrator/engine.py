@@ -111,6 +111,7 @@ class Orchestrator:
             explore_tokens=o.adaptive_explore_tokens,
             explore_per_request=o.adaptive_explore_per_request,
             overlap_max_requests=o.adaptive_overlap_max_requests,
+            speculate_max_requests=o.adaptive_speculate_max_requests,
         )
         self.monitor = ExactnessMonitor(o.monitor_fraction, o.monitor_window)
         for stage in ("propose", "verify", "rollback", "orchestrator"):
@@ -405,7 +406,8 @@ class Generation:
     async def open(self) -> None:
         """Prefill both caches concurrently; the draft only when the first step may
         draft. A request that starts plain (an adaptive one in a plain epoch of the
-        check) opens its draft on its first drafting step, if any: under the load
+        check, or above ``adaptive_speculate_max_requests``) opens its draft on its
+        first drafting step, if any: under the load
         where plain decoding leads, its draft prefill would only take cores from the
         others' decoding."""
         if self.draft is None or self.policy.plain_now():
@@ -669,7 +671,8 @@ class Generation:
 
         try:
             opened = time.perf_counter()
-            guard = cost.guard(self.policy.greedy, self.orch.load()) if checked else None
+            self.policy.load = self.orch.load()  # above speculate_max_requests: no draft prefill
+            guard = cost.guard(self.policy.greedy, self.policy.load) if checked else None
             self.policy.guard = guard
             arm = guard.arm if guard is not None else None
             await self.open()

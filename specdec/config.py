@@ -160,6 +160,13 @@ class OrchestratorConfig:
     # clients: 1.00-1.055x the throughput; docs/benchmarks.md, "Drafting ahead
     # under load").
     adaptive_overlap_max_requests: int = 1
+    # Adaptive requests draft at all only while at most this many requests generate
+    # at once (the same load; 0: at any load). Above it they decode plain batched,
+    # with no check and no exploring. Where draft and target share the machine's
+    # cores (configs/default.yaml) speculation loses to plain batched decoding under
+    # load; on nodes of their own it may keep paying (docs/benchmarks.md, "Plain
+    # decoding above a load"). vLLM's speculative_disable_by_batch_size is the same rule.
+    adaptive_speculate_max_requests: int = 0
     # Check the cost model's choices against plain decoding by measurement: the
     # adaptive requests decode plain in trial epochs, and plain decoding leads
     # whenever it measures faster (orchestrator/adaptive.py, PlainGuard) ...
@@ -337,6 +344,7 @@ _NON_NEGATIVE = {
     "wire_top_k",
     "adaptive_explore_tokens",
     "adaptive_overlap_max_requests",
+    "adaptive_speculate_max_requests",
     "max_queued_requests",
     "max_stop_sequences",
     "grace_period_s",

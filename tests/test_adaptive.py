@@ -97,6 +97,26 @@ def test_adaptive_requests_draft_ahead_only_while_alone_unless_configured():
     assert RequestPolicy(m, gamma=4, overlap=True, load=8).choose(16) == (4, True)
 
 
+def test_above_speculate_max_requests_adaptive_requests_decode_plain_and_unchecked():
+    """``speculate_max_requests`` 2: with up to 2 requests at once the model chooses;
+    from 3 adaptive requests decode plain, do not explore, and get no check (its
+    plain arm would measure plain against plain). Fixed gamma keeps what it asks."""
+    m = model(rtt=0.005)
+    m.check_min_requests = 1
+    m.speculate_max_requests = 2
+    m.plain_tokens = 10_000  # an exploring step is due
+    assert m.speculates(1) and m.speculates(2) and not m.speculates(3)
+    assert RequestPolicy(m, gamma=None, overlap=True, load=2).choose(16)[0] >= 1
+    busy = RequestPolicy(m, gamma=None, overlap=True, load=3)
+    assert busy.choose(16, run=8) == (0, False) and busy.arm == "model"
+    assert m.plain_tokens == 10_000  # nothing explored
+    assert m.guard(False, 2) is not None and m.guard(False, 3) is None
+    assert RequestPolicy(m, gamma=4, overlap=False, load=32).choose(16) == (4, False)
+    m.speculate_max_requests = 0  # any load
+    assert m.speculates(10_000) and m.guard(False, 64) is not None
+    assert RequestPolicy(m, gamma=None, overlap=False, load=64).choose(16)[0] >= 1
+
+
 def test_a_chained_step_has_no_bonus_so_hiding_a_cheap_draft_does_not_pay():
     m = model(rtt=0.005)
     tokens = expected_tokens_per_step(0.8, 4) - 0.8**4  # chains with chance 0.8^4

@@ -163,3 +163,36 @@ def test_a_request_that_starts_plain_opens_its_draft_when_it_first_drafts(llama_
             assert stats.fallback_steps == 0
 
     asyncio.run(scenario())
+
+
+def test_above_speculate_max_requests_adaptive_requests_decode_plain(llama_pair, monkeypatch):
+    """``adaptive_speculate_max_requests`` 2, with the model set on drafting: at a
+    load of 2 an adaptive request drafts; at 3 it decodes plain, opens no draft
+    session and is charged to no check; greedy output is generate()'s either way,
+    and a request that sets gamma drafts at any load."""
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("too busy to draft")
+    want = _reference(target, ids, 16)
+
+    async def scenario():
+        async with in_process(
+            draft, target, adaptive_speculate_max_requests=2, adaptive_plain_check_min_requests=1
+        ) as system:
+            orch = system.orch
+            monkeypatch.setattr(orch.cost, "choose", lambda *args, **kw: (2, False))
+            opened = _count_draft_opens(system)
+            for load, drafts in ((2, True), (3, False)):
+                monkeypatch.setattr(orch, "load", lambda load=load: load)
+                opened.clear()
+                got, _, stats = await system.generate(
+                    prompt=ids, max_new_tokens=16, temperature=0.0
+                )
+                assert got == want, load
+                assert (stats.drafted > 0) == drafts and bool(opened) == drafts, load
+            assert set(orch.cost.guards) == {(True, 2)}  # none made for the load of 3
+            got, _, stats = await system.generate(
+                prompt=ids, max_new_tokens=16, temperature=0.0, gamma=3
+            )
+            assert got == want and stats.drafted > 0
+
+    asyncio.run(scenario())
