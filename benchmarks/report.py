@@ -253,6 +253,18 @@ def criteria(r: dict) -> list[dict]:
                     ),
                 )
             )
+            front = r.get("pinned_front_target", {})
+            seq = f"seq{_gamma(ovl)}@{t}"
+            if ovl in front and seq in front:
+                out.append(
+                    _check(
+                        f"10: separate machines, the orchestrator on the target's core: "
+                        f"overlapped / sequential at the same gamma, {label}",
+                        front[ovl]["tok_s"] / front[seq]["tok_s"],
+                        1.15,
+                        rounds=paired_ratios(_runs(front[ovl]), _runs(front[seq])),
+                    )
+                )
         if t in s:
             out.append(
                 _check(
@@ -602,6 +614,23 @@ def markdown(r: dict) -> str:
                         for k, v in cm.items()
                     ],  # fmt: skip
                 )
+    front = r.get("pinned_front_target")
+    if front:
+        lines += [
+            "## Pinned, the orchestrator and the client on the target's core",
+            "",
+            "The same pinned stack with its front moved from the draft's core to the "
+            "target's: each placement slows one mode (docs/benchmarks.md, \"Where the "
+            'orchestrator sits").',
+            "",
+        ]
+        lines += _table(
+            ["config", "tok/s", "with the front on the draft's core"],
+            [
+                [k, round(v["tok_s"], 1), round(r.get("pinned", {}).get(k, {}).get("tok_s", 0), 1)]
+                for k, v in front.items()
+            ],
+        )
     ip = r.get("inprocess")
     if ip:
         lines += ["## In-process engine (no network)", ""]

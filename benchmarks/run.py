@@ -339,6 +339,26 @@ def services_section(stack, plan: Plan, address: str | None = None) -> dict:
     return rows
 
 
+def front_on_target_section(stack, plan: Plan, pinned: dict) -> dict:
+    """The pinned stack with the orchestrator and this client moved to the target's
+    core: sequential and overlapped at the gamma where overlapped did best. With the
+    front on the draft's core (``pin_stack``) the orchestrator's and the client's
+    work after each verdict competes with a sequential step's drafting, and on the
+    target's core with an overlapped step's next verify: each placement slows one of
+    the two modes (``benchmarks.placement``; docs/benchmarks.md, "Where the
+    orchestrator sits")."""
+    stack.pin("orchestrator", {TARGET_CORE})
+    os.sched_setaffinity(0, {TARGET_CORE})
+    configs = {}
+    for t in TEMPERATURES:
+        g = pinned[best(pinned, t, "ovl")[0]]["fields"]["gamma"]
+        configs |= {k: v for k, v in spec_configs(t, [g], plain=False).items() if k[0] in "so"}
+    client = Client(stack.orchestrator_address)
+    rows = measure(client, configs, plan.prompts, plan.max_new_tokens, plan.repeats)
+    client.close()
+    return rows
+
+
 # ---- 5. in-process: no network -------------------------------------------------------------
 def inprocess_section(draft_dir: str, target_dir: str, plan: Plan, gammas: dict) -> dict:
     """The engine with local ports in this process: the same code minus gRPC and network."""
@@ -813,6 +833,12 @@ def main(argv: list[str] | None = None) -> int:
             pin_stack(stack)
             if "pinned" in sections:
                 results["pinned"] = services_section(stack, plan)
+                save()
+                log("pinned, the orchestrator and the client on the target's core")
+                results["pinned_front_target"] = front_on_target_section(
+                    stack, plan, results["pinned"]
+                )
+                pin_stack(stack)
                 save()
             if "rtt" in sections:
                 pinned = results.get("pinned", {})

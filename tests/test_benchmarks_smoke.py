@@ -95,13 +95,18 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     large = results["wire_large_vocab"]["rows"]
     assert 0 < large["1 hidden"]["wire_bytes_per_token"] < large["1"]["wire_bytes_per_token"]
     assert all(c["value"] is not None for c in results["criteria"])
+    front = results["pinned_front_target"]  # the same stack, its front on the target's core
+    assert len(front) == 4 and all(row["tok_s"] > 0 for row in front.values())
+    assert {name[:3] for name in front} == {"seq", "ovl"}
+    assert any("orchestrator on the target's core" in c["criterion"] for c in results["criteria"])
 
     md = (out / "results.md").read_text()
     assert "References, not goals" in (out / "results.md").read_text()
     assert "| criterion | measured | goal | met | paired rounds |" in md
     assert "share, in step" in md and "c_step(g)" in md
     for heading in ("## Criteria", "## Services sharing the cores", "## Added round-trip",
-                    "## Concurrent clients", "## The wire"):  # fmt: skip
+                    "## Concurrent clients", "## The wire",
+                    "## Pinned, the orchestrator and the client on the target's core"):  # fmt: skip
         assert heading in md, heading
     assert results["plots"]
     for name in results["plots"]:
@@ -228,6 +233,21 @@ def test_relay_side_by_side_writes_results(tmp_path):
     assert result["median"]["relay x1"] > 0 and result["median"]["direct x1"] > 0
     assert result["machine"]["relay_outcomes_unproxied"]["relayed"] > 0
     assert "| adaptive, 1 clients, T=1, shared |" in (tmp_path / "results.md").read_text()
+
+
+def test_placement_writes_results(tmp_path):
+    """``benchmarks.placement`` on the demo pair, one round of one prompt: every
+    placement of the orchestrator measured, and the report has the row."""
+    _run_module(
+        "benchmarks.placement", "--rounds", "1", "--configs", "seq2@0", "--prompts", "1",
+        "--max-new-tokens", "4", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    rates = json.loads((tmp_path / "results.json").read_text())["rates"]
+    assert {place: len(v["seq2@0"]) for place, v in rates.items()} == {
+        "draft": 1, "target": 1, "free": 1,
+    }  # fmt: skip
+    assert all(v["seq2@0"][0] > 0 for v in rates.values())
+    assert "| seq2@0 |" in (tmp_path / "results.md").read_text()
 
 
 def test_packed_linear_side_by_side_writes_results(tmp_path, llama_pair):
