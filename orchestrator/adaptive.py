@@ -633,14 +633,15 @@ class RequestPolicy:
         prior = self.model.pool_alpha(self.greedy).value
         return (self.accepted + _PRIOR_TOKENS * prior) / (self.judged + _PRIOR_TOKENS)
 
+    def _plain_epoch(self) -> bool:
+        return self.guard is not None and self.guard.arm == "plain"
+
     def plain_now(self) -> bool:
         """Whether the next step is plain whatever the model says: an adaptive request
         in a plain epoch of the check, or above ``speculate_max_requests``."""
         if self.gamma is not None:
             return False
-        return (self.guard is not None and self.guard.arm == "plain") or not self.model.speculates(
-            self.load
-        )
+        return self._plain_epoch() or not self.model.speculates(self.load)
 
     def choose(self, limit: int, run: int = 1) -> tuple[int, bool]:
         """gamma (<= limit) and whether to draft ahead, for the next step; a plain
@@ -648,7 +649,7 @@ class RequestPolicy:
         if self.gamma is not None:
             g = min(self.gamma, limit)
             return g, self.overlap and g > 0
-        self.arm = "plain" if self.guard is not None and self.guard.arm == "plain" else "model"
+        self.arm = "plain" if self._plain_epoch() else "model"
         if self.plain_now():
             metrics.CHOSEN_GAMMA.observe(0)
             return 0, False
