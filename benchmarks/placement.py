@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--configs", nargs="*", default=["seq4@0", "ovl4@0", "seq4@1", "ovl4@1"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts")
+    ap.add_argument(
+        "--prompts", type=int, default=8, help="how many of the prompts (as make bench)"
+    )
     ap.add_argument("--out", default=f"results/placement-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
