@@ -35,6 +35,7 @@ from .plain_runs import (
     interleaved,
     one_client,
     paired,
+    ratios,
     save_side_by_side,
     side_by_side_header,
 )
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 seq = f"gamma 4@{t} {part}"
                 # each stack's own drafting ahead / sequential, by round
                 gain = {
-                    arm: _ratios(rates[f"{arm} {mode} {part}"], rates[f"{arm} {seq}"])
+                    arm: ratios(rates[f"{arm} {mode} {part}"], rates[f"{arm} {seq}"])
                     for arm in ARMS
                 }
                 ratio += [f"{statistics.median(gain[arm]):.3f}" for arm in ARMS]
@@ -165,10 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     save_side_by_side(out, lines, info, rates, med)
     return 0
-
-
-def _ratios(a: list[float], b: list[float]) -> list[float]:
-    return [x / y for x, y in zip(a, b, strict=True)]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from .common import (
     machine_info,
     start_services,
 )
-from .plain_runs import save_side_by_side, side_by_side_header
+from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import DRAFT_CORE, TARGET_CORE, _run_prompts, spec_configs, unpin_self
 
 PLACEMENTS = {"draft": {DRAFT_CORE}, "target": {TARGET_CORE}, "free": {DRAFT_CORE, TARGET_CORE}}
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         med = {p: statistics.median(rates[p][name]) for p in PLACEMENTS}
         cells = []
         for p in ("target", "free"):
-            each = [a / b for a, b in zip(rates[p][name], rates["draft"][name], strict=True)]
+            each = ratios(rates[p][name], rates["draft"][name])
             cells.append(f"{statistics.median(each):.2f} ({min(each):.2f}-{max(each):.2f})")
             summary[f"{name} {p}/draft"] = statistics.median(each)
         lines.append(

@@ -74,9 +74,15 @@ def interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
     return rates
 
 
+def ratios(a: list[float], b: list[float]) -> list[float]:
+    """Round i of ``a`` over round i of ``b``: the per-round ratios (rounds interleaved,
+    so paired)."""
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
 def paired(a: list[float], b: list[float]) -> float:
-    """The median of the per-round ratios a / b (rounds interleaved, so paired)."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    """The median of the per-round ratios a / b."""
+    return statistics.median(ratios(a, b))
 
 
 def _loads(xs: list[float]) -> str:
