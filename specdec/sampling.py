@@ -292,6 +292,14 @@ def drafted_probs(qs: list[SparseQ], tokens, entries: QEntries | None = None) ->
     ``entries``: ``qs`` flattened already (``q_entries``), to reuse."""
     if not qs:
         return []
+    if entries is None and all(len(q.ids) == 1 and not q.tail for q in qs):
+        # Points (greedy drafts), in plain Python: right after a forward pass each numpy
+        # call costs tens of microseconds (the pass evicted the caches), and the
+        # general path makes a dozen.
+        return [
+            float(q.counts[0]) / q.scale if int(q.ids[0]) == x else 0.0
+            for q, x in zip(qs, tokens, strict=True)
+        ]
     row, ids, listed, share = entries if entries is not None else q_entries(qs)
     hit = ids == np.asarray(tokens, dtype=np.int64)[row]  # [total] the drafted token's entry
     out = share.copy()
@@ -692,7 +700,7 @@ def verify_draft(
     draft_tokens: list[int],
     qs: list[SparseQ],
     params: SamplingParams,
-    u: torch.Tensor,
+    u: torch.Tensor | None,
     keep_p: bool = False,
     pit: bool = False,
     guesses: Sequence[int] = (),
@@ -703,7 +711,8 @@ def verify_draft(
     logits: [gamma + 1, vocab], target logits at the positions that predict
         x_1..x_gamma and the bonus token.
     draft_tokens: x_1..x_gamma; qs: the proposals they were drawn from.
-    u: [gamma + 1] uniforms for the residual draws and the bonus draw.
+    u: [gamma + 1] uniforms for the residual draws and the bonus draw (None for
+        greedy: nothing is drawn).
     ``pit``: also report what a probability integral transform of each
     candidate token needs (``pit_terms``); never for greedy (p is one-hot there).
     ``guesses``: the draft's guess y_i (``guess_from``; -1: none) of the residual draw
@@ -718,18 +727,18 @@ def verify_draft(
         # else (the path below takes 61 us for it at 4,096 tokens on a CPU, this 34).
         p = probs_from_logits(logits, params)  # [1, vocab]
         return Verdict([], [], [], int(inverse_cdf(p, u[:1])[0]))
-    entries = q_entries(qs) if gamma else None
-    q_draft = drafted_probs(qs, draft_tokens, entries)  # [gamma]
     if params.greedy:
         # p one-hot at a: p_i(x_i) = [x_i == a_i], residual = a_i (see residual_distribution).
         argmax = greedy_tokens(logits)  # [gamma + 1]
         return Verdict(
             p_draft=[float(a == x) for a, x in zip(argmax, draft_tokens, strict=False)],
-            q_draft=q_draft,
+            q_draft=drafted_probs(qs, draft_tokens),  # [gamma]
             residual_tokens=argmax[:gamma],
             bonus_token=argmax[gamma],
             p=probs_from_logits(logits, params) if keep_p else None,
         )
+    entries = q_entries(qs) if gamma else None
+    q_draft = drafted_probs(qs, draft_tokens, entries)  # [gamma]
     p = probs_from_logits(logits, params)  # [gamma + 1, vocab]
     drafts = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)
     p_draft = p[:gamma].gather(-1, drafts[:, None]).squeeze(-1)  # [gamma]

@@ -117,6 +117,12 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
     bits = qs[0].bits
     if any(q.bits != bits for q in qs):
         raise ValueError("every q of one draft is quantized to the same bits")
+    if all(len(q.ids) == 1 and not q.tail for q in qs):
+        return _pack_points(qs, bits)
+    return _pack_lists(qs, bits)
+
+
+def _pack_lists(qs: Sequence[SparseQ], bits: int) -> common_pb2.PackedQ:
     sizes = [len(q.ids) for q in qs]
     ids = np.concatenate([q.ids for q in qs])  # [total]
     counts = np.concatenate([q.counts for q in qs])
@@ -147,6 +153,53 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
     )
 
 
+def _pack_points(qs: Sequence[SparseQ], bits: int) -> common_pb2.PackedQ:
+    """``pack_q`` of points (greedy drafts: one token each, no tail), byte for byte
+    the general path's message, in plain Python. Right after a forward pass every
+    numpy call here costs tens of microseconds (the pass has evicted the caches
+    its code and data live in), and the general path makes some twenty of them."""
+    ids = [int(q.ids[0]) for q in qs]  # each position's ids count from 0: delta = id
+    counts = [int(q.counts[0]) for q in qs]
+    return common_pb2.PackedQ(
+        sizes=[1] * len(qs),
+        id_deltas=bytes(min(i, _ESCAPE) for i in ids),
+        id_escapes=[i for i in ids if i >= _ESCAPE],
+        counts=bytes(min(c, _ESCAPE) for c in counts),
+        count_escapes=[c for c in counts if c >= _ESCAPE],
+        tails=[0] * len(qs),
+        bits=bits,
+    )
+
+
+def _unpack_points(
+    pb: common_pb2.PackedQ, vocab: int, drafts: Sequence[int], bits: int
+) -> list[SparseQ] | None:
+    """``unpack_q`` of a draft whose every q is a point at its drafted token (what a
+    greedy draft sends), in plain Python (see ``_pack_points``); None for anything
+    else, which the general path decodes, or refuses naming what is wrong."""
+    gamma = len(drafts)
+    if (
+        len(pb.sizes) != gamma
+        or len(pb.id_deltas) != gamma
+        or len(pb.counts) != gamma
+        or any(n != 1 for n in pb.sizes)
+        or any(pb.tails)
+    ):
+        return None
+    scale = 1 << bits
+    id_escapes, count_escapes = iter(pb.id_escapes), iter(pb.count_escapes)
+    out = []
+    for x, d, c in zip(drafts, pb.id_deltas, pb.counts, strict=True):
+        token = d if d < _ESCAPE else next(id_escapes, -1)
+        count = c if c < _ESCAPE else next(count_escapes, -1)
+        if token != x or count != scale or not 0 <= x < vocab:
+            return None
+        out.append(SparseQ(np.array([x], dtype=np.int64), np.array([scale]), 0, vocab, bits))
+    if next(id_escapes, None) is not None or next(count_escapes, None) is not None:
+        return None
+    return out
+
+
 def unpack_q(
     pb: common_pb2.PackedQ,
     vocab: int,
@@ -175,6 +228,16 @@ def unpack_q(
         return []
     bits = pb.bits or DEFAULT_Q_BITS
     require(1 <= bits <= MAX_Q_BITS, f"{field}.bits", f"must be in [1, {MAX_Q_BITS}], got {bits}")
+    points = _unpack_points(pb, vocab, drafts, bits)
+    if points is not None:
+        return points
+    return _unpack_lists(pb, vocab, drafts, field, bits)
+
+
+def _unpack_lists(
+    pb: common_pb2.PackedQ, vocab: int, drafts: Sequence[int], field: str, bits: int
+) -> list[SparseQ]:
+    gamma = len(drafts)
     sizes = np.asarray(pb.sizes, dtype=np.int64)  # [gamma]
     tails = np.asarray(pb.tails, dtype=np.int64)
     total = int(sizes.sum())

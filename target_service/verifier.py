@@ -30,9 +30,11 @@ from specdec.sessions import Session
 class LastLogits:
     """The logits a session's last pass computed after its last token: p for the
     next position, kept so that a draft verified right after a fully accepted one
-    needs no pending token (overlapped speculation)."""
+    needs no pending token (overlapped speculation). The pass's rows are kept whole
+    and the last one taken only when used: right after a forward each torch call
+    costs tens of microseconds (the pass evicted the caches)."""
 
-    logits: torch.Tensor | None = None  # [vocab]
+    rows: torch.Tensor | None = None  # [n, vocab]; the last row is the one kept
     length: int = -1  # the cache length they follow
 
 
@@ -90,7 +92,7 @@ class Verifier(ModelService):
             self.check_room("run_tokens", cache_len + len(pending) + run - 1)
         start = time.perf_counter()
         last: LastLogits = session.extra
-        if not pending and (last.length != cache_len or last.logits is None):
+        if not pending and (last.length != cache_len or last.rows is None):
             raise FailedPrecondition(
                 f"pending_tokens: empty, but the session's last pass did not end at "
                 f"cache_len {cache_len} (it ended at {last.length})"
@@ -141,28 +143,27 @@ class Verifier(ModelService):
             logits = yield Feed(session.kv, pending + drafts, gamma + 1)  # [gamma + 1, vocab]
             forward = self.loop.last_batch
         else:  # p for x_1 was computed by the last pass
-            rows = [last.logits[None]]
+            rows = [last.rows[-1:]]
             if gamma:
                 rows.append((yield Feed(session.kv, drafts, gamma)))  # [gamma, vocab]
                 forward = self.loop.last_batch
             logits = torch.cat(rows)  # [gamma + 1, vocab]
-        last.logits, last.length = logits[-1], session.length
+        last.rows, last.length = logits, session.length
         pit = pit and not session.params.greedy
         n = max(gamma + 1, run)
-        # Greedy draws nothing (p is one-hot, verify_draft reads no uniform). A guess's
-        # uniform follows the draws' (the draws stay those of a verify without guesses).
-        m = n + len(guesses)
-        u = torch.zeros(m, dtype=torch.float64) if session.params.greedy else uniforms(seed, m)
+        # Greedy draws nothing (p is one-hot): no uniforms. A guess's uniform follows
+        # the draws' (the draws stay those of a verify without guesses).
+        u = None if session.params.greedy else uniforms(seed, n + len(guesses))
         verdict = verify_draft(
             logits,
             drafts,
             qs,
             session.params,
-            u[: gamma + 1],
+            None if u is None else u[: gamma + 1],
             keep_p=dense_p,
             pit=pit,
             guesses=guesses,
-            u_keep=u[n:],
+            u_keep=None if u is None else u[n:],
         )
         tracing.mark("judged")
         for y, z in zip(guesses, verdict.residual_tokens, strict=False):
@@ -176,8 +177,10 @@ class Verifier(ModelService):
                 break
             logits = yield Feed(session.kv, [token], 1)  # [1, vocab]
             passes.append(self.loop.last_batch)
-            last.logits, last.length = logits[-1], session.length
-            draw = verify_draft(logits, [], [], session.params, u[i : i + 1], pit=pit)
+            last.rows, last.length = logits, session.length
+            draw = verify_draft(
+                logits, [], [], session.params, None if u is None else u[i : i + 1], pit=pit
+            )
             token = draw.bonus_token
             verdict.run_tokens.append(token)
             if pit:

@@ -23,7 +23,7 @@ from specdec.sampling import (
     sparse_q,
 )
 from specdec.v1 import common_pb2
-from specdec.wire import drop_first, pack_q, unpack_q
+from specdec.wire import _pack_lists, _unpack_lists, drop_first, pack_q, unpack_q
 
 from .stats import tv, tv_threshold
 
@@ -167,3 +167,46 @@ def test_point_mass_for_greedy():
     q = SparseQ.point(70_000, QWEN_VOCAB)
     (back,) = unpack_q(pack_q([q]), QWEN_VOCAB, [70_000])
     assert back.prob(70_000) == 1.0 and back.tail == 0
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_points_take_a_plain_python_path_with_the_general_paths_bytes_and_checks(data):
+    """Greedy drafts (every q a point at its drafted token) are packed and unpacked in
+    plain Python (``_pack_points``, ``_unpack_points``): the same message as the
+    general path, the same SparseQs back, the same q_i(x_i); and a message that is not
+    points at the drafted tokens is refused with the general path's own error."""
+    vocab = data.draw(st.sampled_from([20, 300, 4096, QWEN_VOCAB]))
+    bits = data.draw(st.sampled_from([1, 7, 8, 16, 30]))
+    drafts = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
+    points = [SparseQ(np.array([x]), np.array([1 << bits]), 0, vocab, bits) for x in drafts]
+    pb = pack_q(points)
+    assert pb == _pack_lists(points, bits)
+    back, general = unpack_q(pb, vocab, drafts), _unpack_lists(pb, vocab, drafts, "draft_q", bits)
+    for b, g in zip(back, general, strict=True):
+        assert (b.ids.tolist(), b.counts.tolist()) == (g.ids.tolist(), g.counts.tolist())
+        assert (b.tail, b.vocab, b.bits) == (g.tail, g.vocab, g.bits)
+    others = data.draw(st.lists(st.integers(0, vocab - 1), min_size=len(drafts)))[: len(drafts)]
+    assert drafted_probs(points, others) == [q.prob(x) for q, x in zip(points, others, strict=True)]
+
+    # One thing wrong: refused as the general path refuses it.
+    bad = common_pb2.PackedQ()
+    bad.CopyFrom(pb)
+    i = data.draw(st.integers(0, len(drafts) - 1))
+    flaw = data.draw(st.sampled_from(["token", "count", "escape", "vocab"]))
+    if flaw == "vocab" and max(drafts) == 0:
+        flaw = "token"
+    claimed = list(drafts)
+    if flaw == "token":  # the message lists another token than the one drafted
+        claimed[i] = (drafts[i] + 1) % vocab
+    elif flaw == "count":
+        bad.counts = bad.counts[:i] + bytes([(bad.counts[i] + 1) % 255]) + bad.counts[i + 1 :]
+    elif flaw == "escape":
+        bad.id_escapes.append(vocab - 1)
+    else:  # a drafted token outside the vocabulary
+        vocab = max(drafts)
+    with pytest.raises(InvalidArgument) as general_error:
+        _unpack_lists(bad, vocab, claimed, "draft_q", bits)
+    with pytest.raises(InvalidArgument) as error:
+        unpack_q(bad, vocab, claimed)
+    assert str(error.value) == str(general_error.value)
