@@ -68,6 +68,7 @@ from specdec.sampling import (
     SparseQ,
     Verdict,
     draft_position,
+    greedy_top2,
     guess_from,
 )
 from specdec.sessions import Session
@@ -253,14 +254,16 @@ class Drafter(ModelService):
             batch_tokens += self.loop.last_batch.tokens
             if hidden is not None:
                 x, q = hidden_position(self.head, hidden.pop()[0], session.params, rng)
+            elif alternates is not None:  # greedy, with the second choice
+                x, second = greedy_top2(logits[0])
+                q = SparseQ.point(x, logits.shape[-1])
+                alternates.append(second)
             else:
                 x, q = draft_position(
                     logits[0], session.params, shape.max_entries, shape.eps, shape.bits, rng
                 )
             tokens.append(x)
             qs.append(q)
-            if alternates is not None:
-                alternates.append(int(logits[0].topk(2).indices[1]))
             feed = [x]
         return Proposal(
             tokens,

@@ -241,6 +241,28 @@ def test_greedy_tokens_are_torchs_argmax(dtype):
             sampling.greedy_tokens(rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_top2_is_the_argmax_and_the_runner_up(dtype):
+    """A greedy draft's token and second choice in one call: the argmax as
+    ``greedy_tokens`` picks it (the first of tied maxima, however many), then the next
+    best (the next tied one on a tie); a NaN is refused."""
+    x = (torch.randn(6, 5000, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    x[1, 4000] = x[1, 9] = x[1, 70] = x[1].max() + 1  # a three-way tie
+    x[3] = float("-inf")
+    x[4, 100] = float("inf")
+    for row in x:
+        first, second = sampling.greedy_top2(row)
+        assert first == sampling.greedy_tokens(row)
+        rest = row.clone()
+        rest[first] = float("-inf")
+        assert row[second] == rest.max() and second != first
+    assert sampling.greedy_top2(x[1]) == (9, 70)
+    assert sampling.greedy_top2(x[3]) == (0, 1)
+    x[2, 17] = float("nan")
+    with pytest.raises(NonFiniteLogits):
+        sampling.greedy_top2(x[2])
+
+
 def test_sparse_q_takes_half_precision_logits():
     """A bfloat16 or float16 draft's logits give the q their float32 values give."""
     logits = torch.randn(300, generator=torch.Generator().manual_seed(5)) * 3
