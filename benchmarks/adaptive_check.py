@@ -32,7 +32,7 @@ from specdec.local.proxy import ProxyGroup
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
 from .plain_runs import interleaved, paired, save_side_by_side, side_by_side_header
 from .report import held_out_best
-from .run import DRAFT_CORE, _run_prompts, pin_stack, unpin_self
+from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, unpin_self
 
 
 def configs_for(
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline, _ = stack.start_orchestrator("orchestrator-baseline", pd, pt, sets)
             info["baseline_set"] = args.baseline_set
         pin_stack(stack)
-        stack.pin_extra(DRAFT_CORE)
+        stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         for rtt in args.rtts:
             proxies.set_rtt_ms(rtt)
             for temp in args.temperatures:

@@ -39,7 +39,7 @@ from .plain_runs import (
     save_side_by_side,
     side_by_side_header,
 )
-from .run import clients_round, pin_stack, unpin_self
+from .run import clients_round, pin_stack, unpin_stack
 
 MODES = {
     "gamma 4@0": {"gamma": 4, "overlap": False, "temperature": 0.0},
@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
     rates: dict[str, list[float]] = {}
-    every = set(range(os.cpu_count() or 1))
     arms = dict(reversed(ARMS.items())) if args.off_first else ARMS
     info["stacks_started"] = list(arms)
     with stacks_per_arm(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), "guesses", arms) as stacks:
@@ -85,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 if part == "pinned":
                     pin_stack(stack)
                 else:
-                    for role in ("draft", "target", "orchestrator"):
-                        stack.pin(role, every)
-                    unpin_self()
+                    unpin_stack(stack)
             configs = {
                 f"{arm} {mode} {part}": (
                     lambda r, a=stack.orchestrator_address, f=fields: one_client(a, f, r)
@@ -99,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             rates |= interleaved(configs, args.repeats)
             print(f"{part} done", flush=True)
         for stack in stacks.values():
-            for role in ("draft", "target", "orchestrator"):
-                stack.pin(role, every)
-        unpin_self()
+            unpin_stack(stack)
         ahead = MODES["gamma 4 ahead@0"]
         for n in args.clients:
             configs = {

@@ -1,18 +1,23 @@
 """Where the orchestrator (and the client) sit when the services stand for separate
 machines: one stack, the draft pinned to core 0 and the target to core 1, and the
-orchestrator with this client moved between rounds:
+orchestrator with this client (the front) moved between rounds:
 
-- ``draft``: on the draft's core (``make bench``'s pinned sections);
-- ``target``: on the target's core;
-- ``free``: on both cores, where the scheduler puts them.
+- ``draft``: on the draft's core at niceness ``FRONT_NICE`` (``make bench``'s pinned
+  sections): the front takes the core's idle time, the draft runs first;
+- ``draft-nice0``: on the draft's core at the draft's own priority (``make bench``
+  before 2026-12-03, evening);
+- ``target``, ``target-nice0``: the same on the target's core;
+- ``free``: on both cores, where the scheduler puts them (niceness 0).
 
     python -m benchmarks.placement [--rounds 6] [--configs seq4@0 ovl4@0 seq4@1 ovl4@1]
-        [--prompts 8] [--max-new-tokens 64] [--out results/placement-<time>]
+        [--placements draft draft-nice0 target target-nice0] [--prompts 8]
+        [--max-new-tokens 64] [--out results/placement-<time>]
 
 Each round runs every configuration under every placement (the placements'
 order rotating from round to round); the report gives each one's median tok/s
-and, per placement, its ratio to ``draft`` paired round by round. The same
-processes serve every placement, so only where the front runs changes.
+and its ratio to the first placement, paired round by round. The same
+processes serve every placement, so only where the front runs, and at which
+priority, changes. Moving the front back to niceness 0 needs CAP_SYS_NICE (root).
 Writes results.json and results.md.
 """
 
@@ -33,9 +38,23 @@ from .common import (
     start_services,
 )
 from .plain_runs import ratios, save_side_by_side, side_by_side_header
-from .run import DRAFT_CORE, TARGET_CORE, _run_prompts, spec_configs, unpin_self
+from .run import (
+    DRAFT_CORE,
+    FRONT_NICE,
+    TARGET_CORE,
+    _run_prompts,
+    place_front,
+    spec_configs,
+    unpin_stack,
+)
 
-PLACEMENTS = {"draft": {DRAFT_CORE}, "target": {TARGET_CORE}, "free": {DRAFT_CORE, TARGET_CORE}}
+PLACEMENTS = {  # name: (the front's cores, its niceness)
+    "draft": ({DRAFT_CORE}, FRONT_NICE),
+    "draft-nice0": ({DRAFT_CORE}, 0),
+    "target": ({TARGET_CORE}, FRONT_NICE),
+    "target-nice0": ({TARGET_CORE}, 0),
+    "free": ({DRAFT_CORE, TARGET_CORE}, 0),
+}
 
 
 def configs_named(names: list[str]) -> dict[str, dict]:
@@ -51,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--prompts", type=int, default=8, help="how many of the prompts (as make bench)"
     )
+    ap.add_argument(
+        "--placements",
+        nargs="*",
+        choices=list(PLACEMENTS),
+        default=["draft", "draft-nice0", "target", "target-nice0"],
+        help="ratios are to the first",
+    )
     ap.add_argument("--out", default=f"results/placement-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -58,52 +84,67 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info("cpu")
     configs = configs_named(args.configs)
     prompts = PROMPTS[: args.prompts]
+    order = list(dict.fromkeys(args.placements))
     stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1)
-    rates: dict[str, dict[str, list[float]]] = {p: {c: [] for c in configs} for p in PLACEMENTS}
+    rates: dict[str, dict[str, list[float]]] = {p: {c: [] for c in configs} for p in order}
     try:
         stack.pin("draft", {DRAFT_CORE})
         stack.pin("target", {TARGET_CORE})
         client = Client(stack.orchestrator_address)
         for fields in configs.values():  # warm every kind of call
             _run_prompts(client, PROMPTS[:1], 8, fields, 0)
-        order = list(PLACEMENTS)
         for r in range(args.rounds):
             for place in order[r % len(order) :] + order[: r % len(order)]:
-                stack.pin("orchestrator", PLACEMENTS[place])
-                os.sched_setaffinity(0, PLACEMENTS[place])
+                place_front(stack, *PLACEMENTS[place])
                 for name, fields in configs.items():
                     t = _run_prompts(client, prompts, args.max_new_tokens, fields, r + 1)
                     rates[place][name].append(t["tokens"] / t["wall_s"])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         client.close()
     finally:
-        unpin_self()
+        unpin_stack(stack)
         stack.stop()
     info["load_average_end"] = list(os.getloadavg())
+    first, rest = order[0], order[1:]
+    cores_named = {
+        frozenset({DRAFT_CORE}): "the draft's core",
+        frozenset({TARGET_CORE}): "the target's",
+    }
+    where = {
+        name: f"{cores_named.get(frozenset(cores), 'both cores')} at niceness {nice}"
+        for name, (cores, nice) in PLACEMENTS.items()
+        if name in order
+    }
     lines = side_by_side_header(
         "Where the orchestrator sits, the services pinned",
         info,
         f"{args.rounds} rounds, each running every configuration under every placement "
         f"(order rotating); {len(prompts)} prompts x "
         f"{args.max_new_tokens} tokens; draft on core {DRAFT_CORE}, target on core "
-        f"{TARGET_CORE}; the orchestrator and this client on the draft's core (`draft`, as "
-        "`make bench`'s pinned sections), the target's (`target`) or both (`free`). "
-        "tok/s medians; ratios to `draft` paired by round (median, range).",
+        f"{TARGET_CORE}; the orchestrator and this client on "
+        + "; ".join(f"`{n}`: {w}" for n, w in where.items())
+        + f". tok/s medians; ratios to `{first}` paired by round (median, range).",
     )
     lines += [
-        "| config | draft | target | free | target / draft | free / draft |",
-        "|---|---|---|---|---|---|",
+        "| config | "
+        + " | ".join(order)
+        + " | "
+        + " | ".join(f"{p} / {first}" for p in rest)
+        + " |",
+        "|---" * (1 + len(order) + len(rest)) + "|",
     ]
     summary = {}
     for name in configs:
-        med = {p: statistics.median(rates[p][name]) for p in PLACEMENTS}
+        med = {p: statistics.median(rates[p][name]) for p in order}
         cells = []
-        for p in ("target", "free"):
-            each = ratios(rates[p][name], rates["draft"][name])
+        for p in rest:
+            each = ratios(rates[p][name], rates[first][name])
             cells.append(f"{statistics.median(each):.2f} ({min(each):.2f}-{max(each):.2f})")
-            summary[f"{name} {p}/draft"] = statistics.median(each)
+            summary[f"{name} {p}/{first}"] = statistics.median(each)
         lines.append(
-            f"| {name} | {med['draft']:.1f} | {med['target']:.1f} | {med['free']:.1f} | "
+            f"| {name} | "
+            + " | ".join(f"{med[p]:.1f}" for p in order)
+            + " | "
             + " | ".join(cells)
             + " |"
         )

@@ -45,7 +45,7 @@ from .common import (
     start_services,
 )
 from .plain_runs import interleaved, one_client, save_side_by_side, side_by_side_header
-from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
+from .run import DRAFT_CORE, FRONT_NICE, clients_round, pin_stack, unpin_stack
 
 MAX_NEW = 64
 MODES = {  # name: (orchestrator, request fields)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "off": stack.start_orchestrator("orchestrator-proxied-nocheck", d, t, sets(False))[0],
         }
         pin_stack(stack)
-        stack.pin_extra(DRAFT_CORE)
+        stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         for rtt in args.rtts:
             proxies.set_rtt_ms(rtt)
             configs = {}
@@ -142,11 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             rates |= interleaved(configs, args.repeats)
             print(f"RTT +{rtt:g} ms done", flush=True)
-        every = set(range(os.cpu_count() or 1))
-        for role in ("draft", "target", "orchestrator"):
-            stack.pin(role, every)
-        stack.pin_extra(every)
-        unpin_self()
+        unpin_stack(stack)
         for n in args.clients:
             configs = {
                 f"{mode} x{n}": (

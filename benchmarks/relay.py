@@ -40,7 +40,7 @@ from .plain_runs import (
     save_side_by_side,
     side_by_side_header,
 )
-from .run import DRAFT_CORE, clients_round, pin_stack, unpin_self
+from .run import DRAFT_CORE, FRONT_NICE, clients_round, pin_stack, unpin_stack
 
 MAX_NEW = 64
 ONE_CLIENT = {
@@ -80,13 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
     proxies = ProxyGroup()
     rates: dict[str, list[float]] = {}
-    every = set(range(os.cpu_count() or 1))
 
     def unpin() -> None:
-        for role in ("draft", "target", "orchestrator"):
-            stack.pin(role, every)
-        stack.pin_extra(every)
-        unpin_self()
+        unpin_stack(stack)
 
     def one_client_configs(orchs: dict, suffix: str, plain: bool = False) -> dict:
         configs = {}
@@ -133,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             print("shared cores done", flush=True)
         if args.rtts:
             pin_stack(stack)
-            stack.pin_extra(DRAFT_CORE)
+            stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         if not (args.no_one_client or args.rtts_only):
             rates |= interleaved(one_client_configs(direct, " pinned"), args.repeats)
             print("pinned done", flush=True)

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from specdec.local.proxy import ProxyGroup
+from specdec.local.stack import nice_process
 from specdec.runtime import packed_linear
 
 from . import analyze as analyze_mod
@@ -82,6 +83,10 @@ SECTIONS = (
     "settings",
 )
 DRAFT_CORE, TARGET_CORE = 0, 1  # pinned: draft, orchestrator and the client / the target
+# Pinned, the orchestrator and this client (the front) share the draft's core at this
+# niceness: they take its idle time, and the draft, which on separate machines they
+# never delay, runs first ("Where the orchestrator sits" in docs/benchmarks.md).
+FRONT_NICE = 10
 
 
 @dataclass
@@ -316,17 +321,44 @@ def hf_benchmark(
 
 
 # ---- 3/4. the services --------------------------------------------------------------------
-def pin_stack(stack) -> None:
-    """Each service on its own core: the draft (with the orchestrator and this client)
-    on one, the target on the other."""
+def pin_stack(stack, front_nice: int = FRONT_NICE) -> None:
+    """Each service on its own core: the draft (with the orchestrator and this client,
+    at ``front_nice``) on one, the target on the other."""
     stack.pin("draft", {DRAFT_CORE})
-    stack.pin("orchestrator", {DRAFT_CORE})
     stack.pin("target", {TARGET_CORE})
-    os.sched_setaffinity(0, {DRAFT_CORE})
+    place_front(stack, {DRAFT_CORE}, front_nice)
+
+
+def place_front(stack, cpus: set[int], niceness: int) -> None:
+    """The orchestrator and this client on ``cpus``, at ``niceness``. Lowering a
+    niceness needs CAP_SYS_NICE (PermissionError)."""
+    stack.pin("orchestrator", cpus, niceness)
+    os.sched_setaffinity(0, cpus)
+    nice_process(os.getpid(), niceness)
 
 
 def unpin_self() -> None:
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    _renice(os.getpid())
+
+
+def unpin_stack(stack) -> None:
+    """Every process of ``stack`` (extra orchestrators too) and this one back on every
+    core, at niceness 0 where allowed."""
+    every = set(range(os.cpu_count() or 1))
+    for role in ("draft", "target", "orchestrator"):
+        stack.pin(role, every)
+    stack.pin_extra(every)
+    for proc in [stack.proc("orchestrator"), *stack.extra]:
+        _renice(proc.pid)
+    unpin_self()
+
+
+def _renice(pid: int) -> None:
+    try:
+        nice_process(pid, 0)
+    except PermissionError:  # (raised by the front's niceness; lowering needs CAP_SYS_NICE)
+        log(f"process {pid} stays at niceness {os.getpriority(os.PRIO_PROCESS, pid)}")
 
 
 def services_section(stack, plan: Plan, address: str | None = None) -> dict:
@@ -347,8 +379,7 @@ def front_on_target_section(stack, plan: Plan, pinned: dict) -> dict:
     target's core with an overlapped step's next verify: each placement slows one of
     the two modes (``benchmarks.placement``; docs/benchmarks.md, "Where the
     orchestrator sits")."""
-    stack.pin("orchestrator", {TARGET_CORE})
-    os.sched_setaffinity(0, {TARGET_CORE})
+    place_front(stack, {TARGET_CORE}, FRONT_NICE)
     configs = {}
     for t in TEMPERATURES:
         g = pinned[best(pinned, t, "ovl")[0]]["fields"]["gamma"]
@@ -404,7 +435,7 @@ def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
         d_addr = proxies.add(stack.address("draft"))
         t_addr = proxies.add(stack.address("target"))
         address, _ = stack.start_orchestrator("orchestrator-proxied", d_addr, t_addr)
-        stack.pin_extra(DRAFT_CORE)
+        stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         client = Client(address)
         prompts = plan.prompts[: plan.rtt_prompts]
         out = {}

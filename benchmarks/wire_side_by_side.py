@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
 from .plain_runs import MAX_NEW, interleaved, save_side_by_side, side_by_side_header
-from .run import DRAFT_CORE, _run_prompts, pin_stack
+from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack
 
 GAMMA = 5
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 fields = {"temperature": 1.0, "gamma": gamma, "overlap": False}
                 configs[name] = lambda r, a=address, n=name, f=fields: one(a, n, f, r)
         if not args.shared:
-            stack.pin_extra(DRAFT_CORE)
+            stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         rates = interleaved(configs, args.repeats)
     finally:
         stack.stop()

@@ -237,15 +237,19 @@ def test_relay_side_by_side_writes_results(tmp_path):
 
 def test_placement_writes_results(tmp_path):
     """``benchmarks.placement`` on the demo pair, one round of one prompt: every
-    placement of the orchestrator measured, and the report has the row."""
+    placement of the orchestrator measured, and the report has the row. (In an order
+    whose niceness never falls: lowering it needs root.)"""
     _run_module(
         "benchmarks.placement", "--rounds", "1", "--configs", "seq2@0", "--prompts", "1",
-        "--max-new-tokens", "4", "--out", str(tmp_path), timeout=300,
+        "--max-new-tokens", "4", "--out", str(tmp_path),
+        "--placements", "draft-nice0", "free", "draft", "target", timeout=300,
     )  # fmt: skip
     rates = json.loads((tmp_path / "results.json").read_text())["rates"]
     assert {place: len(v["seq2@0"]) for place, v in rates.items()} == {
-        "draft": 1, "target": 1, "free": 1,
+        "draft-nice0": 1, "free": 1, "draft": 1, "target": 1,
     }  # fmt: skip
+    assert "| seq2@0 |" in (tmp_path / "results.md").read_text()
+    assert "draft / draft-nice0" in (tmp_path / "results.md").read_text()
     assert all(v["seq2@0"][0] > 0 for v in rates.values())
     assert "| seq2@0 |" in (tmp_path / "results.md").read_text()
 

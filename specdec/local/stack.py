@@ -223,6 +223,18 @@ def pin_process(pid: int, cpus: set[int]) -> None:
             pass
 
 
+def nice_process(pid: int, niceness: int) -> None:
+    """Give every thread of process ``pid`` this niceness (threads it starts later
+    inherit it; on Linux niceness belongs to each thread). Raising it is always
+    allowed; lowering it needs CAP_SYS_NICE (PermissionError)."""
+    tasks = Path(f"/proc/{pid}/task")
+    for tid in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [pid]:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
 def start_local(
     config_path: str | None,
     overrides: list[str] = (),
@@ -420,9 +432,12 @@ class Stack:
         self.procs[ROLES.index(role)] = new
         wait_healthy(self.address(role), timeout, [new])
 
-    def pin(self, role: str, cpus: set[int]) -> None:
-        """Run ``role`` on these CPUs only (standing for a machine of its own)."""
+    def pin(self, role: str, cpus: set[int], niceness: int | None = None) -> None:
+        """Run ``role`` on these CPUs only (standing for a machine of its own), and
+        at this niceness if given (``nice_process``)."""
         pin_process(self.proc(role).pid, cpus)
+        if niceness is not None:
+            nice_process(self.proc(role).pid, niceness)
 
     def start_orchestrator(
         self, name: str, draft: str, target: str, sets: dict | None = None
@@ -452,10 +467,12 @@ class Stack:
         wait_healthy(address, 300, [proc])
         return address, mport
 
-    def pin_extra(self, cores: int | set[int]) -> None:
-        """Run the extra orchestrators on this CPU (or these)."""
+    def pin_extra(self, cores: int | set[int], niceness: int | None = None) -> None:
+        """Run the extra orchestrators on this CPU (or these), at this niceness if given."""
         for proc in self.extra:
             pin_process(proc.pid, {cores} if isinstance(cores, int) else cores)
+            if niceness is not None:
+                nice_process(proc.pid, niceness)
 
     def stop_extra(self) -> None:
         stop_local(self.extra)
