@@ -518,6 +518,19 @@ def markdown(r: dict) -> str:
             "",
         ]
         lines += _table(["ratio", "measured"], [[k, _f(v, 2)] for k, v in refs.items()])
+    pinned = r.get("pinned", {})
+    over = [
+        [name, pinned[name]["ms_per_step"]["overhead"], pinned[name]["ms_per_step"]["step"]]
+        for name in ("seq4@0", "ovl4@0", "seq4@1", "ovl4@1")
+        if name in pinned
+    ]
+    if over:
+        lines += [
+            "Orchestration overhead at gamma 4 with the services pinned (standing for "
+            "separate machines), a reference beside issue 15's, which is the shared cores':",
+            "",
+        ]
+        lines += _table(["config", "overhead, ms per step", "step, ms"], over)
     an = r.get("analysis")
     if an:
         q, c = an["quality"], an["cost"]
@@ -568,9 +581,14 @@ def markdown(r: dict) -> str:
                 for n in names
             ],
         )
+    nice = r.get("front_nice", 0)
     for section, title in (
         ("services", "Services sharing the cores"),
-        ("pinned", "Services pinned, one core each (separate machines)"),
+        (
+            "pinned",
+            "Services pinned, one core each (separate machines; the orchestrator and "
+            f"the client on the draft's core at niceness {nice})",
+        ),
     ):
         rows = r.get(section)
         if not rows:
@@ -620,8 +638,8 @@ def markdown(r: dict) -> str:
             "## Pinned, the orchestrator and the client on the target's core",
             "",
             "The same pinned stack with its front moved from the draft's core to the "
-            "target's: each placement slows one mode (docs/benchmarks.md, \"Where the "
-            'orchestrator sits").',
+            f"target's (at niceness {nice}): each placement slows one mode "
+            '(docs/benchmarks.md, "Where the orchestrator sits").',
             "",
         ]
         lines += _table(

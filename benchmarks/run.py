@@ -788,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": asdict(plan) | {"quick": args.quick},
         "machine": machine_info("cpu"),
         "sections": sections,
+        "front_nice": FRONT_NICE,  # pinned: the orchestrator's and the client's niceness
     }
     if before:
         results["before"] = before
