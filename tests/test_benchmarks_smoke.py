@@ -254,6 +254,20 @@ def test_placement_writes_results(tmp_path):
     assert "| seq2@0 |" in (tmp_path / "results.md").read_text()
 
 
+def test_cold_calls_writes_results(tmp_path, llama_pair):
+    """``benchmarks.cold_calls`` on the tiny target, two passes: every call timed cold
+    and again, and the report has its rows."""
+    _, target = llama_pair
+    _run_module(
+        "benchmarks.cold_calls", "--target", str(target), "--passes", "2",
+        "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    rates = json.loads((tmp_path / "results.json").read_text())["rates"]
+    assert rates["cold"].keys() == rates["again"].keys()
+    assert all(len(v) == 2 for v in rates["cold"].values())
+    assert "| verify_draft, greedy, gamma 4 |" in (tmp_path / "results.md").read_text()
+
+
 def test_packed_linear_side_by_side_writes_results(tmp_path, llama_pair):
     """``benchmarks.packed_linear`` on the tiny pair, one client, one mode: pass times
     of both ways for both models, both stacks streamed tokens, and the report has them."""
