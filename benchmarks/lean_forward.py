@@ -32,7 +32,7 @@ from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, stacks_per_arm
-from .plain_runs import save_side_by_side, side_by_side_header
+from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
 SHAPES = ((1, 1), (5, 1), (5, 8), (1, 32))  # tokens x sessions
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for m in MODES:
         a, b = one[f"wrapped:{m}"], one[f"lean:{m}"]
-        paired = [y / x for x, y in zip(a["tok_s_runs"], b["tok_s_runs"], strict=True)]
+        paired = ratios(b["tok_s_runs"], a["tok_s_runs"])
 
         def step(row: dict) -> str:
             ms = row["ms_per_step"]
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.clients:
         for mode in SUSTAINED:
             a, b = rates[f"{n} clients, {mode}, wrapped"], rates[f"{n} clients, {mode}, lean"]
-            paired = [y / x for x, y in zip(a, b, strict=True)]
+            paired = ratios(b, a)
             lines.append(
                 f"| {n} | {mode} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | "
                 f"{statistics.median(paired):.3f} ({', '.join(f'{x:.2f}' for x in paired)}) |"

@@ -30,7 +30,7 @@ from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, stacks_per_arm
-from .plain_runs import save_side_by_side, side_by_side_header
+from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES as MODES
 from .run import sustained_round, sustained_side_by_side
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.clients:
         for mode in args.modes:
             s, p = rates[f"{n} clients, {mode}, stock"], rates[f"{n} clients, {mode}, packed"]
-            paired = [b / a for a, b in zip(s, p, strict=True)]
+            paired = ratios(p, s)
             lines.append(
                 f"| {n} | {mode} | {statistics.median(s):.0f} | {statistics.median(p):.0f} | "
                 f"{statistics.median(paired):.2f} ({', '.join(f'{x:.2f}' for x in paired)}) |"
