@@ -85,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     configs = configs_named(args.configs)
     prompts = PROMPTS[: args.prompts]
     order = list(dict.fromkeys(args.placements))
+    nices = [PLACEMENTS[p][1] for p in order]
+    falls = any(b < a for a, b in zip(nices, nices[1:], strict=False)) or (
+        args.rounds > 1 and len(set(nices)) > 1  # the order rotates between rounds
+    )
+    if falls and os.geteuid() != 0:
+        ap.error(
+            "these placements lower the front's niceness between runs, which needs root "
+            "(CAP_SYS_NICE): run as root, or choose placements of one niceness"
+        )
     stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1)
     rates: dict[str, dict[str, list[float]]] = {p: {c: [] for c in configs} for p in order}
     try:
