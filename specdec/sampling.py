@@ -248,6 +248,11 @@ class SparseQ:
         """q of each unlisted token: the tail spread evenly over them (float64)."""
         return self.tail / (self.scale * (self.vocab - len(self.ids))) if self.tail else 0.0
 
+    @property
+    def is_point(self) -> bool:
+        """All mass on one listed token (what a greedy draft sends)."""
+        return len(self.ids) == 1 and not self.tail
+
     @classmethod
     def point(cls, token: int, vocab: int) -> SparseQ:
         """All mass on one token (greedy drafting)."""
@@ -306,7 +311,7 @@ def drafted_probs(qs: list[SparseQ], tokens, entries: QEntries | None = None) ->
     ``entries``: ``qs`` flattened already (``q_entries``), to reuse."""
     if not qs:
         return []
-    if entries is None and all(len(q.ids) == 1 and not q.tail for q in qs):
+    if entries is None and all(q.is_point for q in qs):
         # Points (greedy drafts), in plain Python: right after a forward pass each numpy
         # call costs tens of microseconds (the pass evicted the caches), and the
         # general path makes a dozen.

@@ -117,7 +117,7 @@ def pack_q(qs: Sequence[SparseQ]) -> common_pb2.PackedQ:
     bits = qs[0].bits
     if any(q.bits != bits for q in qs):
         raise ValueError("every q of one draft is quantized to the same bits")
-    if all(len(q.ids) == 1 and not q.tail for q in qs):
+    if all(q.is_point for q in qs):
         return _pack_points(qs, bits)
     return _pack_lists(qs, bits)
 
