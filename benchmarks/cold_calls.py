@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdec.rng import uniforms
 from specdec.sampling import SamplingParams, SparseQ, greedy_tokens, q_entries, verify_draft
 from specdec.wire import pack_q, unpack_q
 
@@ -30,7 +31,8 @@ from .plain_runs import save_side_by_side, side_by_side_header
 
 
 def calls(vocab: int) -> dict:
-    """name -> f(logits [5, vocab]): the pieces of a greedy step's work, and plain ones."""
+    """name -> f(logits [5, vocab]): the pieces of a greedy step's work, plain ones, and a
+    sampled step's uniforms."""
     greedy = SamplingParams(temperature=0.0)
     drafts = [1, min(300, vocab - 2), 3, vocab - 1]  # (300: an escaped id on the wire)
     points = [SparseQ.point(x, vocab) for x in drafts]
@@ -46,6 +48,10 @@ def calls(vocab: int) -> dict:
         "pack_q of 4 points": lambda lg: pack_q(points),
         "unpack_q of 4 points": lambda lg: unpack_q(packed, vocab, drafts, params=greedy),
         "verify_draft, greedy, gamma 4": lambda lg: verify_draft(lg, drafts, points, greedy, None),
+        "numpy's Generator(Philox(seed)).random(5)": lambda lg: np.random.Generator(
+            np.random.Philox(key=2**63 + 5)
+        ).random(5),
+        "uniforms(seed, 5) (specdec.rng.Philox)": lambda lg: uniforms(2**63 + 5, 5),
     }
 
 

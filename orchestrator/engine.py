@@ -452,7 +452,7 @@ class Generation:
                 if not self.draft.prefilled:  # started plain: open the draft now
                     await self.draft.prefill()
                     t0 = time.perf_counter()  # a one-off, not this step's cost
-                u = self.rng.random(gamma).tolist()
+                u = self.rng.random(gamma)
                 # The draft sends the proposal straight to the target when it can.
                 relay = None
                 if self.o.relay and not self.spec.dense and self.relay_pays():
@@ -486,7 +486,7 @@ class Generation:
                         target_seed = fallback_seed(target_seed)
         else:  # drafted during the last verify; keep drafting ahead if it pays
             overlap = self.policy.choose(remaining - 1)[1]
-            u = self.rng.random(len(proposal.tokens)).tolist()
+            u = self.rng.random(len(proposal.tokens))
         drafts = proposal.tokens if proposal is not None else []
         t1 = time.perf_counter()
         ahead_task = None

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from specdec.errors import NonFiniteLogits
+from specdec.rng import Philox
 from specdec.sampling import SamplingParams, SparseQ
 
 BITS = 30  # counts of a derived q are out of 2^30
@@ -181,7 +182,7 @@ class HiddenQ(SparseQ):
 
 
 def hidden_position(
-    head: QuantHead, h: torch.Tensor, params: SamplingParams, rng: np.random.Generator
+    head: QuantHead, h: torch.Tensor, params: SamplingParams, rng: Philox
 ) -> tuple[int, HiddenQ]:
     """One drafted position from the draft's last hidden state h: [d]. x is drawn from
     exactly the q the target will derive from the codes (the counterpart of

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from specdec.errors import NonFiniteLogits
+from specdec.rng import Philox
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,7 @@ class SparseQ:
         )
         return q
 
-    def sample(self, rng: np.random.Generator) -> int:
+    def sample(self, rng: Philox) -> int:
         """One token drawn from exactly this distribution (integer arithmetic)."""
         r = int(rng.integers(0, self.scale))
         j = int(np.searchsorted(np.cumsum(self.counts), r, side="right"))
@@ -469,7 +470,7 @@ def draft_position(
     max_entries: int,
     eps: float,
     bits: int,
-    rng: np.random.Generator | None,
+    rng: Philox | None,
 ) -> tuple[int, SparseQ]:
     """One drafted position: q_i as the wire carries it (``sparse_q``) and x_i drawn
     from exactly that q_i. logits: [vocab]. Greedy q is a point, whose draw needs
@@ -594,7 +595,7 @@ def _residual_numpy(p: np.ndarray, q: torch.Tensor | QEntries) -> np.ndarray:
 GUESS_TRIES = 32  # draws from q before a guess gives up (q nearly all on x)
 
 
-def guess_from(q: SparseQ, x: int, rng: np.random.Generator) -> int:
+def guess_from(q: SparseQ, x: int, rng: Philox) -> int:
     """y ~ g = q without x (q conditioned on y != x), or -1: no guess (q puts its
     mass on x, or ``GUESS_TRIES`` draws in a row were x). Given that it returns a
     token, the token is distributed as g; whether it does depends on ``rng`` alone."""

@@ -130,7 +130,7 @@ def _verify_draws(seed: int) -> tuple[torch.Tensor, torch.Tensor, float, float, 
     for _ in range(N):
         x = q.sample(rng)
         y = guess_from(q, x, rng)
-        uu = torch.from_numpy(u.random(3))
+        uu = torch.tensor(u.random(3), dtype=torch.float64)
         v = verify_draft(logits, [x], [q], params, uu[:2], guesses=[y], u_keep=uu[2:])
         draws.append(v.residual_tokens[0])
         hits += v.residual_tokens[0] == y

@@ -361,10 +361,9 @@ def _simulate(p_rows, q_rows, n_samples, seed, broken=False):
             x1 = q1s.sample(g)
             x2 = q2s[x1].sample(g)
             logits = torch.stack([p1, p2_given[x1], p1]).log()
-            r = verify_draft(
-                logits, [x1, x2], [q1s, q2s[x1]], SamplingParams(1.0), torch.from_numpy(g.random(3))
-            )
-            n = accepted_count(r.p_draft, r.q_draft, g.random(2).tolist())
+            u = torch.tensor(g.random(3), dtype=torch.float64)
+            r = verify_draft(logits, [x1, x2], [q1s, q2s[x1]], SamplingParams(1.0), u)
+            n = accepted_count(r.p_draft, r.q_draft, g.random(2))
             out = step_tokens([x1, x2], n, r.residual_tokens, r.bonus_token)
             first.append(out[0])
     finally:
