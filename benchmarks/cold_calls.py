@@ -22,8 +22,16 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.rng import uniforms
-from specdec.sampling import SamplingParams, SparseQ, greedy_tokens, q_entries, verify_draft
+from specdec import kernels
+from specdec.rng import generator, uniforms
+from specdec.sampling import (
+    SamplingParams,
+    SparseQ,
+    greedy_tokens,
+    q_entries,
+    sparse_q,
+    verify_draft,
+)
 from specdec.wire import pack_q, unpack_q
 
 from .common import DEFAULT_TARGET, machine_info
@@ -32,11 +40,25 @@ from .plain_runs import save_side_by_side, side_by_side_header
 
 def calls(vocab: int) -> dict:
     """name -> f(logits [5, vocab]): the pieces of a greedy step's work, plain ones, and a
-    sampled step's uniforms."""
+    sampled step's uniforms and judging (T=1, 1,024 tokens listed, as the demo sends)."""
     greedy = SamplingParams(temperature=0.0)
     drafts = [1, min(300, vocab - 2), 3, vocab - 1]  # (300: an escaped id on the wire)
     points = [SparseQ.point(x, vocab) for x in drafts]
     packed = pack_q(points)
+    sampled = SamplingParams(1.0)
+    z = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    qs = [sparse_q(z[i], sampled, 1024, 0.0) for i in range(4)]
+    rng = generator(1)
+    xs = [q.sample(rng) for q in qs]
+    u = uniforms(2, 5)
+
+    def reference(lg):
+        kernels.ENABLED = False
+        try:
+            return verify_draft(lg, xs, qs, sampled, u)
+        finally:
+            kernels.ENABLED = True
+
     return {
         "nothing (the timer)": lambda lg: None,
         "a Python loop of 50 multiplications": lambda lg: sum(i * i for i in range(50)),
@@ -52,6 +74,10 @@ def calls(vocab: int) -> dict:
             np.random.Philox(key=2**63 + 5)
         ).random(5),
         "uniforms(seed, 5) (specdec.rng.Philox)": lambda lg: uniforms(2**63 + 5, 5),
+        "verify_draft, T=1, gamma 4, numpy and torch": reference,
+        "verify_draft, T=1, gamma 4, compiled (specdec.kernels)": lambda lg: verify_draft(
+            lg, xs, qs, sampled, u
+        ),
     }
 
 
@@ -68,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.target).eval()
     vocab = model.config.vocab_size
     pieces = calls(vocab)
+    kernels.warm()
     cold: dict[str, list[float]] = {name: [] for name in pieces}
     again: dict[str, list[float]] = {name: [] for name in pieces}
     with torch.no_grad():

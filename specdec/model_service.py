@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import specdec
-from specdec import metrics
+from specdec import kernels, metrics
 from specdec.config import ModelServiceConfig
 from specdec.errors import FailedPrecondition, Unavailable, Unsupported, require
 from specdec.hidden_q import QuantHead
@@ -69,6 +69,7 @@ class ModelService:
         self.head = self._quant_head()  # before packing replaces the output layer
         self.packed_min_rows = self._pack_linears()
         self.sessions = SessionStore(self.role, cfg.max_sessions)
+        kernels.warm()  # compiled, or loaded from numba's disk cache, before any request
         self._by_kind: dict = {}  # forward-kind -> its metric children, looked up once
         self._batch_sessions = metrics.BATCH_SESSIONS.labels(role)
         self._batch_tokens = metrics.BATCH_TOKENS.labels(role)

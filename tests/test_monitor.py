@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from orchestrator.monitor import ALERT_CHI2, emitted_terms
-from specdec import sampling
+from specdec import kernels, sampling
 
 from .inprocess import in_process
 
@@ -142,6 +142,7 @@ def test_a_draft_that_misreports_q_trips_the_alert(llama_pair, monkeypatch):
 
 def test_a_broken_residual_trips_the_alert(llama_pair, monkeypatch):
     monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: p)  # the classic bug
+    monkeypatch.setattr(kernels, "ENABLED", False)  # (on the reference path, where it is)
 
     async def scenario():
         async with in_process(*llama_pair, monitor_fraction=1.0, monitor_window=4096) as system:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import sampling
+from specdec import kernels, sampling
 from specdec.errors import NonFiniteLogits
 from specdec.rng import generator
 from specdec.sampling import (
@@ -353,8 +353,9 @@ def _simulate(p_rows, q_rows, n_samples, seed, broken=False):
     q1s = _dense_q(q1)
     q2s = [_dense_q(row) for row in q2_given]
     orig = sampling.residual_distribution
-    if broken:  # the classic bug: resample from p on rejection
+    if broken:  # the classic bug: resample from p on rejection (on the reference path)
         sampling.residual_distribution = lambda p, q: p
+        kernels.ENABLED = False
     try:
         first = []
         for _ in range(n_samples):
@@ -368,6 +369,7 @@ def _simulate(p_rows, q_rows, n_samples, seed, broken=False):
             first.append(out[0])
     finally:
         sampling.residual_distribution = orig
+        kernels.ENABLED = True
     return torch.tensor(first)
 
 

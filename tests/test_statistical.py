@@ -28,8 +28,10 @@ from .stats import CONCURRENT, tv, tv_threshold
 N = 1500
 PROMPT = [3, 7, 1, 4, 0, 12]  # token ids; fixed
 BROKEN_SITE = """
+import specdec.kernels as k
 import specdec.sampling as s
 s.residual_distribution = lambda p, q: p  # BROKEN: resample from p on rejection
+k.ENABLED = False  # (on the reference path, where the bug is planted)
 """
 
 
