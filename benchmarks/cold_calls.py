@@ -40,7 +40,7 @@ from .plain_runs import save_side_by_side, side_by_side_header
 
 def calls(vocab: int) -> dict:
     """name -> f(logits [5, vocab]): the pieces of a greedy step's work, plain ones, and a
-    sampled step's uniforms and judging (T=1, 1,024 tokens listed, as the demo sends)."""
+    sampled step's uniforms, judging and wire (T=1, 1,024 tokens listed, as the demo sends)."""
     greedy = SamplingParams(temperature=0.0)
     drafts = [1, min(300, vocab - 2), 3, vocab - 1]  # (300: an escaped id on the wire)
     points = [SparseQ.point(x, vocab) for x in drafts]
@@ -52,12 +52,23 @@ def calls(vocab: int) -> dict:
     xs = [q.sample(rng) for q in qs]
     u = uniforms(2, 5)
 
-    def reference(lg):
-        kernels.ENABLED = False
-        try:
-            return verify_draft(lg, xs, qs, sampled, u)
-        finally:
-            kernels.ENABLED = True
+    sampled_pb = pack_q(qs)
+
+    def reference(f):  # f with the kernels off: the numpy and torch path
+        def call(lg):
+            kernels.ENABLED = False
+            try:
+                return f(lg)
+            finally:
+                kernels.ENABLED = True
+
+        return call
+
+    def judge(lg):
+        return verify_draft(lg, xs, qs, sampled, u)
+
+    def decode(lg):
+        return unpack_q(sampled_pb, vocab, xs, params=sampled)
 
     return {
         "nothing (the timer)": lambda lg: None,
@@ -74,10 +85,11 @@ def calls(vocab: int) -> dict:
             np.random.Philox(key=2**63 + 5)
         ).random(5),
         "uniforms(seed, 5) (specdec.rng.Philox)": lambda lg: uniforms(2**63 + 5, 5),
-        "verify_draft, T=1, gamma 4, numpy and torch": reference,
-        "verify_draft, T=1, gamma 4, compiled (specdec.kernels)": lambda lg: verify_draft(
-            lg, xs, qs, sampled, u
-        ),
+        "verify_draft, T=1, gamma 4, numpy and torch": reference(judge),
+        "verify_draft, T=1, gamma 4, compiled (specdec.kernels)": judge,
+        "unpack_q, T=1, gamma 4, numpy": reference(decode),
+        "unpack_q, T=1, gamma 4, compiled (specdec.kernels)": decode,
+        "pack_q, T=1, gamma 4": lambda lg: pack_q(qs),
     }
 
 

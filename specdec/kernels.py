@@ -6,7 +6,9 @@ work around it needs (docs/benchmarks.md, "After a forward pass every library
 call is cold"). A sampled step's judging is some forty such calls in numpy and
 torch; here it is one compiled loop over the rows. numba, a maintained JIT
 compiler for numeric Python, does what a C extension would without a compiler on
-the user's machine; its machine code is cached on disk next to this file.
+the user's machine; its machine code is cached on disk next to this file (or in
+NUMBA_CACHE_DIR). ``judge`` does a sampled step's judging, ``decode_q`` the
+decoding and checking of the proposals it judges.
 
 Each kernel computes what a reference in ``specdec.sampling`` computes, in
 float64 where the reference rounds some steps to p's dtype: the same tokens for
@@ -112,6 +114,74 @@ def judge(
     return OK
 
 
+# PackedQ's one-byte values: 255 says "the next value of the escapes field" (common.proto).
+_ESCAPE = 255
+
+
+@njit(cache=True, nogil=True)
+def decode_q(
+    id_bytes: np.ndarray,
+    id_escapes: np.ndarray,
+    count_bytes: np.ndarray,
+    count_escapes: np.ndarray,
+    meta: np.ndarray,
+    vocab: int,
+    scale: int,
+    ids: np.ndarray,
+    counts: np.ndarray,
+) -> bool:
+    """A PackedQ's lists decoded and checked, ``wire.unpack_q``'s lists in one pass.
+
+    id_bytes, count_bytes: the message's bytes (uint8); id_escapes, count_escapes:
+    its escapes (int64). meta: [3 gamma] int64, each position's size, then its tail,
+    then its drafted token. Fills ids and counts: [total], total = the sum of the
+    sizes. True iff every check of ``wire._unpack_lists`` passes; where one fails
+    the caller decodes with that function, which names the field.
+    """
+    gamma = meta.shape[0] // 3
+    total = ids.shape[0]
+    if id_bytes.shape[0] != total or count_bytes.shape[0] != total:
+        return False
+    e_id = 0  # the next unread escape of each field
+    e_count = 0
+    k = 0  # the next entry
+    for i in range(gamma):
+        size, tail, x = meta[i], meta[gamma + i], meta[2 * gamma + i]
+        if size <= 0 or (tail > 0 and size >= vocab):
+            return False
+        token = 0  # each position's ids are deltas from 0 again
+        mass = tail
+        drawable = tail > 0  # x_i unlisted falls in the tail
+        for j in range(size):
+            d = np.int64(id_bytes[k])
+            if d == _ESCAPE:
+                if e_id == id_escapes.shape[0]:
+                    return False
+                d = id_escapes[e_id]
+                e_id += 1
+            if j > 0 and d <= 0:  # ids ascend: a repeated id
+                return False
+            token += d
+            if token >= vocab:
+                return False
+            c = np.int64(count_bytes[k])
+            if c == _ESCAPE:
+                if e_count == count_escapes.shape[0]:
+                    return False
+                c = count_escapes[e_count]
+                e_count += 1
+            if c <= 0:
+                return False
+            mass += c
+            drawable = drawable or token == x
+            ids[k] = token
+            counts[k] = c
+            k += 1
+        if mass != scale or not drawable:
+            return False
+    return e_id == id_escapes.shape[0] and e_count == count_escapes.shape[0]
+
+
 def warm() -> None:
     """Compile (or load from the disk cache) every kernel for the dtypes a service
     meets, so that no request pays for it: a service calls this as it starts.
@@ -123,3 +193,7 @@ def warm() -> None:
     u, out = np.full(2, 0.5), np.empty(4)
     for dtype in (np.float32, np.float64):
         judge(np.full((2, 4), 0.25, dtype=dtype), meta, ids, counts, 4, u, out)
+    one = np.frombuffer(b"\x01", dtype=np.uint8)  # (read-only, as from a message)
+    none = np.zeros(0, dtype=np.int64)
+    meta = np.array([1, 0, 1], dtype=np.int64)
+    decode_q(one, none, np.frombuffer(b"\x01", np.uint8), none, meta, 4, 1, ids[:1], counts[:1])

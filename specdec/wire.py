@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from specdec import kernels
 from specdec.errors import InvalidArgument, require
 from specdec.hidden_q import HiddenQ, QuantHead, derive_q
 from specdec.runtime.loading import ModelInfo
@@ -231,7 +232,46 @@ def unpack_q(
     points = _unpack_points(pb, vocab, drafts, bits)
     if points is not None:
         return points
+    if kernels.ENABLED:
+        qs = _unpack_compiled(pb, vocab, drafts, bits)
+        if qs is not None:
+            return qs
     return _unpack_lists(pb, vocab, drafts, field, bits)
+
+
+def _unpack_compiled(
+    pb: common_pb2.PackedQ, vocab: int, drafts: Sequence[int], bits: int
+) -> list[SparseQ] | None:
+    """``_unpack_lists``' SparseQs from one compiled pass (``kernels.decode_q``), or None
+    where a check fails, for ``_unpack_lists`` to name it. Its forty numpy calls cost
+    tens of microseconds each right after a forward pass."""
+    sizes, tails = list(pb.sizes), list(pb.tails)
+    total = sum(sizes)
+    if len(pb.id_deltas) != total or len(pb.counts) != total:
+        return None  # (before anything of that size is made)
+    meta = np.array([*sizes, *tails, *drafts], dtype=np.int64)  # [3 gamma]
+    ids = np.empty(total, dtype=np.int64)
+    counts = np.empty(total, dtype=np.int64)
+    ok = kernels.decode_q(
+        np.frombuffer(pb.id_deltas, dtype=np.uint8),
+        np.array(pb.id_escapes, dtype=np.int64),
+        np.frombuffer(pb.counts, dtype=np.uint8),
+        np.array(pb.count_escapes, dtype=np.int64),
+        meta,
+        vocab,
+        1 << bits,
+        ids,
+        counts,
+    )
+    if not ok:
+        return None
+    out, start = [], 0
+    for size, tail in zip(sizes, tails, strict=True):
+        out.append(
+            SparseQ(ids[start : start + size], counts[start : start + size], tail, vocab, bits)
+        )
+        start += size
+    return out
 
 
 def _unpack_lists(
@@ -255,6 +295,8 @@ def _unpack_lists(
     empty = sizes == 0
     if empty.any():
         first_bad[int(np.argmax(empty))] = "lists no token"
+    if not total:  # (every position is empty: nothing below has an entry to index)
+        raise InvalidArgument(f"{field}[0]", first_bad[0])
     row = np.repeat(np.arange(gamma), sizes)  # [total]
     later = np.ones(total, dtype=bool)
     later[starts[~empty]] = False  # the first entry of a position may have delta 0
@@ -273,8 +315,9 @@ def _unpack_lists(
         )
     if (counts <= 0).any():
         first_bad.setdefault(int(row[np.argmax(counts <= 0)]), "counts must be positive")
-    sums = np.add.reduceat(counts, starts) if total else np.zeros(gamma, np.int64)
-    sums = np.where(empty, 0, sums)
+    running = np.zeros(total + 1, dtype=np.int64)  # (reduceat fails on an empty last position)
+    np.cumsum(counts, out=running[1:])
+    sums = running[ends] - running[starts]  # [gamma]
     scale = 1 << bits
     off = np.flatnonzero(sums + tails != scale)
     if off.size:

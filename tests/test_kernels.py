@@ -1,16 +1,17 @@
-"""The compiled judge (specdec.kernels) draws what the reference in numpy and torch
-draws, for the same uniforms, and refuses what the reference refuses."""
+"""The compiled kernels (specdec.kernels) do what their references in numpy and torch
+do: the judge draws the same tokens for the same uniforms, decoding gives the same
+SparseQs, and both refuse what the references refuse."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import kernels
-from specdec.errors import NonFiniteLogits
+from specdec.errors import InvalidArgument, NonFiniteLogits
 from specdec.rng import uniforms
 from specdec.sampling import (
     SamplingParams,
@@ -21,6 +22,9 @@ from specdec.sampling import (
     sparse_q,
     verify_draft,
 )
+from specdec.wire import pack_q, unpack_q
+
+from .test_fuzz import VOCAB, packed_qs
 
 PARAMS = [
     SamplingParams(1.0),
@@ -126,3 +130,105 @@ def test_non_finite_logits_are_refused_as_by_the_reference(row):
 
 def test_warm_compiles_without_error():
     kernels.warm()
+
+
+def _outcome(pb, drafts, enabled: bool, vocab: int = VOCAB):
+    """unpack_q's SparseQs as lists, or its error's message, with the kernels on or off."""
+    kernels.ENABLED = enabled
+    try:
+        qs = unpack_q(pb, vocab, drafts)
+        return [(q.ids.tolist(), q.counts.tolist(), q.tail, q.bits) for q in qs]
+    except InvalidArgument as e:
+        return str(e)
+    finally:
+        kernels.ENABLED = True
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_compiled_decoding_accepts_and_refuses_what_the_reference_does(data):
+    """Valid, corrupted and random PackedQs (the fuzz test's): the same SparseQs, or the
+    same error naming the same field, with the kernels on and off."""
+    drafts = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
+    pb = data.draw(packed_qs(drafts, clean=False))
+    if pb is None or len(pb.sizes) != len(drafts) or len(pb.tails) != len(drafts):
+        return  # refused before any decoding, on either path
+    assert _outcome(pb, drafts, True) == _outcome(pb, drafts, False)
+
+
+def test_compiled_decoding_of_a_demo_sized_draft():
+    """4 positions of 1,024 listed tokens out of 4,096, escapes in both fields."""
+    g = torch.Generator().manual_seed(5)
+    qs = [sparse_q(torch.randn(4096, generator=g) * 3, SamplingParams(1.0), 1024, 0.0)]
+    qs += [sparse_q(torch.randn(4096, generator=g) * 3, SamplingParams(1.0), 1024, 0.0)] * 3
+    drafts = [int(q.ids[5]) for q in qs]
+    pb = pack_q(qs)
+    assert pb.id_escapes or pb.count_escapes
+    ours = _outcome(pb, drafts, True, 4096)
+    assert ours == _outcome(pb, drafts, False, 4096)
+    assert ours == [(q.ids.tolist(), q.counts.tolist(), q.tail, q.bits) for q in qs]
+
+
+def _corrupt(pb, how: str) -> None:
+    if how == "extra id escape":
+        pb.id_escapes.append(3)
+    elif how == "extra count escape":
+        pb.count_escapes.append(3)
+    elif how == "missing id escape":
+        pb.id_deltas = pb.id_deltas[:-1] + b"\xff"
+    elif how == "id at the vocabulary":  # the last id of q_2: 0 + 40 (vocab 40 below)
+        pb.id_deltas = pb.id_deltas[:4] + b"\x28"
+    elif how == "repeated id":
+        pb.id_deltas = pb.id_deltas[:1] + b"\x00" + pb.id_deltas[2:]
+    elif how == "zero count":  # q_1's counts 0, 2^16 - 4, 2: the mass still adds up
+        pb.counts = b"\x00" + pb.counts[1:2] + b"\x02" + pb.counts[3:]
+    elif how == "mass off by one":
+        pb.tails[1] += 1
+    elif how == "drafted token not listed, no tail":  # ids 2, 3, 8 and all the mass
+        pb.id_deltas = pb.id_deltas[:2] + b"\x05" + pb.id_deltas[3:]
+        pb.tails[0] = 0
+        pb.counts = b"\x03" + pb.counts[1:]
+    elif how == "empty position":  # q_2 lists nothing and has all the mass as its tail
+        # (the last position: the reference once failed to index its sums there)
+        pb.sizes[1], pb.tails[1] = 0, 2**16
+        pb.id_deltas, pb.counts = pb.id_deltas[:3], pb.counts[:3]
+        pb.count_escapes[:] = pb.count_escapes[:1]
+    elif how == "every position empty":  # (the reference once failed to index its sums)
+        pb.sizes[:], pb.tails[:] = [0, 0], [2**16, 2**16]
+        pb.id_deltas, pb.counts = b"", b""
+        del pb.id_escapes[:], pb.count_escapes[:]
+    elif how == "tail with every token listed":  # q_2 lists all 40 tokens, and has a tail
+        pb.sizes[1] = 40
+        pb.id_deltas = pb.id_deltas[:3] + bytes([0] + [1] * 39)
+        pb.counts = pb.counts[:3] + b"\x01" * 40
+        pb.count_escapes[:] = pb.count_escapes[:1]
+        pb.tails[1] = 2**16 - 40
+
+
+CORRUPTIONS = [
+    "extra id escape",
+    "extra count escape",
+    "missing id escape",
+    "id at the vocabulary",
+    "repeated id",
+    "zero count",
+    "mass off by one",
+    "drafted token not listed, no tail",
+    "empty position",
+    "every position empty",
+    "tail with every token listed",
+]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_compiled_decoding_refuses_each_corruption_as_the_reference_does(how):
+    vocab = 40
+    qs = [
+        SparseQ(np.array([2, 3, 9]), np.array([1, 2**16 - 4, 1]), 2, vocab),
+        SparseQ(np.array([0, 39]), np.array([300, 2**16 - 400]), 100, vocab),
+    ]
+    pb = pack_q(qs)
+    assert _outcome(pb, [9, 5], True, vocab) == _outcome(pb, [9, 5], False, vocab)
+    _corrupt(pb, how)
+    ours = _outcome(pb, [9, 5], True, vocab)
+    assert isinstance(ours, str) and ours == _outcome(pb, [9, 5], False, vocab), ours
