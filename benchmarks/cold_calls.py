@@ -27,6 +27,7 @@ from specdec.rng import generator, uniforms
 from specdec.sampling import (
     SamplingParams,
     SparseQ,
+    draft_position,
     greedy_tokens,
     q_entries,
     sparse_q,
@@ -70,6 +71,9 @@ def calls(vocab: int) -> dict:
     def decode(lg):
         return unpack_q(sampled_pb, vocab, xs, params=sampled)
 
+    def draft(lg):
+        return draft_position(lg[0], sampled, 1024, 0.0, 16, rng)
+
     return {
         "nothing (the timer)": lambda lg: None,
         "a Python loop of 50 multiplications": lambda lg: sum(i * i for i in range(50)),
@@ -90,6 +94,8 @@ def calls(vocab: int) -> dict:
         "unpack_q, T=1, gamma 4, numpy": reference(decode),
         "unpack_q, T=1, gamma 4, compiled (specdec.kernels)": decode,
         "pack_q, T=1, gamma 4": lambda lg: pack_q(qs),
+        "draft_position, T=1, numpy": reference(draft),
+        "draft_position, T=1, compiled (specdec.kernels)": draft,
     }
 
 

@@ -114,6 +114,104 @@ def judge(
     return OK
 
 
+@njit(cache=True, nogil=True)
+def draft_q(
+    z: np.ndarray, inv_t: float, k: int, scale: int, r: int, ids: np.ndarray, counts: np.ndarray
+) -> tuple[int, int, int]:
+    """A drafted position's q, ``sampling.sparse_q``'s for a full support (no top-k /
+    top-p) and eps 0, and a draw from it.
+
+    z: [vocab] logits (float32 or float64); inv_t: 1 / temperature; k: the most
+    tokens listed (0 < k <= vocab); scale: 2^bits. The k most likely tokens are
+    listed in ascending order (ties at the k-th score: the lowest ids), with their
+    mass in integer counts (largest remainders; leftovers beyond one per entry to
+    the most likely), the rest of the mass as the tail, spread evenly over the
+    unlisted tokens. r: a uniform integer in [0, scale) for the draw, or -1: none.
+    Fills ids, counts: [k] (the first n used). Returns (n, tail, the drawn token:
+    -1 where it falls in the tail, or where r is -1), or (-1, 0, -1) where the
+    logits' mass is not finite (NaN, or an infinite logit).
+    """
+    vocab = z.shape[0]
+    s = np.empty(vocab)  # the scores, float64
+    top = -np.inf
+    for j in range(vocab):
+        s[j] = z[j] * inv_t
+        if s[j] > top:
+            top = s[j]
+    mass = 0.0  # of exp(s - top)
+    for j in range(vocab):
+        mass += np.exp(s[j] - top)
+    log_total = top + np.log(mass)
+    if not np.isfinite(log_total):
+        return -1, 0, -1
+    # The k-th largest score: every score above it is listed, and of those equal to it
+    # the lowest ids, k in all.
+    if k >= vocab:
+        kth = -np.inf
+    elif k == 1:
+        kth = top
+    else:
+        kth = np.partition(s, vocab - k)[vocab - k]
+    ties = k
+    for j in range(vocab):
+        if s[j] > kth:
+            ties -= 1
+    n = 0
+    lead = 0  # the most likely listed token (the first of them)
+    for j in range(vocab):
+        if s[j] > kth or (s[j] == kth and ties > 0):
+            if not s[j] > kth:
+                ties -= 1
+            ids[n] = j
+            if s[j] > s[ids[lead]]:
+                lead = n
+            n += 1
+    probs = np.empty(n)
+    listed = 0.0
+    for i in range(n):
+        probs[i] = np.exp(s[ids[i]] - log_total)
+        listed += probs[i]
+    tail_mass = max(0.0, 1.0 - listed) if n < vocab else 0.0
+    per = scale / (listed + tail_mass)
+    rest = np.empty(n)  # each entry's rounding remainder
+    left = scale - np.int64(tail_mass * scale / (listed + tail_mass))  # what the list gets
+    tail = scale - left
+    for i in range(n):
+        exact = probs[i] * per
+        counts[i] = np.int64(exact)  # (its floor: exact >= 0)
+        rest[i] = exact - counts[i]
+        left -= counts[i]
+    if left > 0:  # largest remainders first (ties: lower ids); beyond one each, the lead
+        order = np.argsort(-rest, kind="mergesort")
+        extra = min(left, n)
+        for i in range(extra):
+            counts[order[i]] += 1
+        counts[lead] += left - extra
+    kept = 0  # drop what rounded to zero, keeping the order
+    for i in range(n):
+        if counts[i] > 0:
+            ids[kept] = ids[i]
+            counts[kept] = counts[i]
+            kept += 1
+    n = kept
+    if tail and n == vocab:  # nothing unlisted to spread it over: to the most likely
+        lead = 0
+        for i in range(n):
+            if s[ids[i]] > s[ids[lead]]:
+                lead = i
+        counts[lead] += tail
+        tail = 0
+    token = -1
+    if r >= 0:
+        c = 0
+        for i in range(n):
+            c += counts[i]
+            if c > r:
+                token = ids[i]
+                break
+    return n, tail, token
+
+
 # PackedQ's one-byte values: 255 says "the next value of the escapes field" (common.proto).
 _ESCAPE = 255
 
@@ -193,6 +291,8 @@ def warm() -> None:
     u, out = np.full(2, 0.5), np.empty(4)
     for dtype in (np.float32, np.float64):
         judge(np.full((2, 4), 0.25, dtype=dtype), meta, ids, counts, 4, u, out)
+    for dtype in (np.float32, np.float64):
+        draft_q(np.zeros(4, dtype=dtype), 1.0, 2, 4, 1, ids[:2].copy(), counts[:2].copy())
     one = np.frombuffer(b"\x01", dtype=np.uint8)  # (read-only, as from a message)
     none = np.zeros(0, dtype=np.int64)
     meta = np.array([1, 0, 1], dtype=np.int64)

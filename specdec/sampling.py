@@ -281,8 +281,13 @@ class SparseQ:
         j = int(np.searchsorted(np.cumsum(self.counts), r, side="right"))
         if j < len(self.ids):
             return int(self.ids[j])
-        # The tail: uniform over the tokens not listed. The u-th of them is u plus
-        # the number of listed ids whose rank among the unlisted is <= u.
+        return self.sample_tail(rng)
+
+    def sample_tail(self, rng: Philox) -> int:
+        """One token drawn uniformly from the unlisted ones (given that the draw fell
+        in the tail)."""
+        # The u-th unlisted token is u plus the number of listed ids whose rank among
+        # the unlisted is <= u.
         listed = np.sort(self.ids)
         u = int(rng.integers(0, self.vocab - len(listed)))
         return u + int(np.searchsorted(listed - np.arange(len(listed)), u, side="right"))
@@ -344,6 +349,8 @@ def sparse_q(
     vocab = logits.shape[-1]
     if params.greedy:
         return SparseQ.point(greedy_tokens(logits), vocab)
+    if _drafts_compiled(logits, params, eps):
+        return _draft_compiled(logits, params, max_entries, bits, None)[1]
     k = vocab if max_entries <= 0 else min(max_entries, vocab)
     if logits.device.type == "cpu":
         # One row on the CPU: numpy's calls cost a few microseconds where torch's cost
@@ -476,8 +483,43 @@ def draft_position(
     """One drafted position: q_i as the wire carries it (``sparse_q``) and x_i drawn
     from exactly that q_i. logits: [vocab]. Greedy q is a point, whose draw needs
     no randomness: ``rng`` may be None there."""
+    if rng is not None and _drafts_compiled(logits, params, eps):
+        return _draft_compiled(logits, params, max_entries, bits, rng)
     q = sparse_q(logits, params, max_entries, eps, bits)
     return (int(q.ids[0]) if params.greedy else q.sample(rng)), q
+
+
+def _drafts_compiled(logits: torch.Tensor, params: SamplingParams, eps: float) -> bool:
+    """Whether ``kernels.draft_q`` makes this q: sampled, on the CPU, with a full
+    support and no cut by mass (the defaults)."""
+    return (
+        kernels.ENABLED
+        and not params.greedy
+        and params.full_support
+        and eps == 0
+        and _numpy_reads(logits)
+    )
+
+
+def _draft_compiled(
+    logits: torch.Tensor, params: SamplingParams, max_entries: int, bits: int, rng: Philox | None
+) -> tuple[int, SparseQ]:
+    """``sparse_q``'s q from one compiled call (``kernels.draft_q``), and, given ``rng``,
+    x drawn from it exactly as ``SparseQ.sample`` draws (-1 without). logits: [vocab]."""
+    vocab = logits.shape[-1]
+    k = vocab if max_entries <= 0 else min(max_entries, vocab)
+    scale = 1 << bits
+    r = -1 if rng is None else rng.integers(0, scale)  # (sample's first draw)
+    ids = np.empty(k, dtype=np.int64)
+    counts = np.empty(k, dtype=np.int64)
+    z = logits.detach().numpy()
+    n, tail, x = kernels.draft_q(z, 1.0 / params.temperature, k, scale, r, ids, counts)
+    if n < 0:
+        raise NonFiniteLogits(_NON_FINITE)
+    q = SparseQ(ids[:n], counts[:n], int(tail), vocab, bits)
+    if rng is not None and x < 0:  # in the tail: sample's second draw
+        x = q.sample_tail(rng)
+    return int(x), q
 
 
 def quantize(

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from specdec import kernels
 from specdec.errors import InvalidArgument, NonFiniteLogits
-from specdec.rng import uniforms
+from specdec.rng import generator, uniforms
 from specdec.sampling import (
     SamplingParams,
     SparseQ,
+    draft_position,
     inverse_cdf,
     probs_from_logits,
     residual_distribution,
@@ -232,3 +233,69 @@ def test_compiled_decoding_refuses_each_corruption_as_the_reference_does(how):
     _corrupt(pb, how)
     ours = _outcome(pb, [9, 5], True, vocab)
     assert isinstance(ours, str) and ours == _outcome(pb, [9, 5], False, vocab), ours
+
+
+def _q_off(logits, params, k, bits=16):
+    kernels.ENABLED = False
+    try:
+        return sparse_q(logits, params, k, 0.0, bits)
+    finally:
+        kernels.ENABLED = True
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    vocab=st.sampled_from([2, 5, 64, 1000, 4096]),
+    k=st.sampled_from([0, 1, 3, 64, 1024]),
+    temperature=st.sampled_from([1.0, 0.7, 1.5]),
+    bits=st.sampled_from([16, 8, 30]),
+    scale_of_logits=st.sampled_from([0.1, 3.0, 30.0]),
+    ties=st.booleans(),
+    float64=st.booleans(),
+)
+def test_the_compiled_draft_q_is_the_references_up_to_rounding(
+    seed, vocab, k, temperature, bits, scale_of_logits, ties, float64
+):
+    """The reference's counts within one (float rounding and the order of equal
+    remainders; the same k tokens considered: ties at the k-th score take the lowest
+    ids); a valid distribution; and the draw is exactly ``SparseQ.sample``'s from the
+    same stream."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=g) * scale_of_logits
+    if ties:  # a run of equal logits across the cut
+        logits = logits.round()
+    if float64:
+        logits = logits.double()
+    params = SamplingParams(temperature)
+    ours, ref = sparse_q(logits, params, k, 0.0, bits), _q_off(logits, params, k, bits)
+    assert ours.counts.sum() + ours.tail == 2**bits and (ours.counts > 0).all()
+    assert (np.diff(ours.ids) > 0).all() and ours.tail >= 0
+    assert ours.tail == 0 or len(ours.ids) < vocab
+    if bits >= 16:  # (at 8 bits an entry may round to 0 on one side only)
+        # The reference scales and exponentiates in float32: at 30 bits its counts are
+        # off by its roundings of logits up to ~150 times 2^30. A token whose count
+        # rounds to 0 on one side only is listed on the other.
+        close = 1 + 2**bits * 3e-5
+        a, b = np.zeros(vocab, np.int64), np.zeros(vocab, np.int64)
+        a[ours.ids], b[ref.ids] = ours.counts, ref.counts
+        assert np.abs(a - b).max() <= close and abs(ours.tail - ref.tail) <= close
+    x, q = draft_position(logits, params, k, 0.0, bits, generator(seed))
+    assert q.ids.tolist() == ours.ids.tolist() and q.counts.tolist() == ours.counts.tolist()
+    assert x == q.sample(generator(seed))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_the_compiled_draft_q_refuses_non_finite_logits(bad):
+    logits = torch.randn(50)
+    if bad == "all -inf":
+        logits[:] = float("-inf")
+    else:
+        logits[3] = bad
+    for enabled in (True, False):
+        kernels.ENABLED = enabled
+        try:
+            with pytest.raises(NonFiniteLogits):
+                draft_position(logits, SamplingParams(1.0), 8, 0.0, 16, generator(1))
+        finally:
+            kernels.ENABLED = True

@@ -131,6 +131,7 @@ def test_a_draft_that_misreports_q_trips_the_alert(llama_pair, monkeypatch):
         return int(self.ids[self.counts.argmax()])
 
     monkeypatch.setattr(sampling.SparseQ, "sample", most_likely)
+    monkeypatch.setattr(kernels, "ENABLED", False)  # (on the reference path, where it is)
 
     async def scenario():
         async with in_process(*llama_pair, monitor_fraction=1.0, monitor_window=4096) as system:
