@@ -93,7 +93,8 @@ def calls(vocab: int) -> dict:
         "verify_draft, T=1, gamma 4, compiled (specdec.kernels)": judge,
         "unpack_q, T=1, gamma 4, numpy": reference(decode),
         "unpack_q, T=1, gamma 4, compiled (specdec.kernels)": decode,
-        "pack_q, T=1, gamma 4": lambda lg: pack_q(qs),
+        "pack_q, T=1, gamma 4, numpy": reference(lambda lg: pack_q(qs)),
+        "pack_q, T=1, gamma 4, compiled (specdec.kernels)": lambda lg: pack_q(qs),
         "draft_position, T=1, numpy": reference(draft),
         "draft_position, T=1, compiled (specdec.kernels)": draft,
     }

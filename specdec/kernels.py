@@ -7,8 +7,9 @@ call is cold"). A sampled step's judging is some forty such calls in numpy and
 torch; here it is one compiled loop over the rows. numba, a maintained JIT
 compiler for numeric Python, does what a C extension would without a compiler on
 the user's machine; its machine code is cached on disk next to this file (or in
-NUMBA_CACHE_DIR). ``judge`` does a sampled step's judging, ``decode_q`` the
-decoding and checking of the proposals it judges.
+NUMBA_CACHE_DIR). On the draft, ``draft_q`` makes each drafted position's q and
+draws from it, and ``encode_q`` puts them on the wire; on the target ``decode_q``
+decodes and checks them, and ``judge`` does the step's judging.
 
 Each kernel computes what a reference in ``specdec.sampling`` computes, in
 float64 where the reference rounds some steps to p's dtype: the same tokens for
@@ -280,6 +281,51 @@ def decode_q(
     return e_id == id_escapes.shape[0] and e_count == count_escapes.shape[0]
 
 
+@njit(cache=True, nogil=True)
+def encode_q(
+    ids: np.ndarray,
+    counts: np.ndarray,
+    sizes: np.ndarray,
+    id_bytes: np.ndarray,
+    id_escapes: np.ndarray,
+    count_bytes: np.ndarray,
+    count_escapes: np.ndarray,
+) -> tuple[int, int]:
+    """``wire.pack_q``'s lists in one pass: ids delta-coded from 0 again at each
+    position, one byte per value with 255 escaping to the escapes.
+
+    ids, counts: [total] q_1's entries, then q_2's, ...; sizes: [gamma]. Fills
+    id_bytes, count_bytes: [total] (uint8) and the first entries of id_escapes,
+    count_escapes: [total] (int64). Returns how many escapes of each it wrote, or
+    (-1, -1) where some position's ids do not ascend (``wire._pack_lists`` sorts).
+    """
+    k = 0
+    n_id = 0
+    n_count = 0
+    for i in range(sizes.shape[0]):
+        prev = 0
+        for j in range(sizes[i]):
+            d = ids[k] - prev
+            if j > 0 and d <= 0:
+                return -1, -1
+            prev = ids[k]
+            if d >= _ESCAPE:
+                id_bytes[k] = _ESCAPE
+                id_escapes[n_id] = d
+                n_id += 1
+            else:
+                id_bytes[k] = d
+            c = counts[k]
+            if c >= _ESCAPE:
+                count_bytes[k] = _ESCAPE
+                count_escapes[n_count] = c
+                n_count += 1
+            else:
+                count_bytes[k] = c
+            k += 1
+    return n_id, n_count
+
+
 def warm() -> None:
     """Compile (or load from the disk cache) every kernel for the dtypes a service
     meets, so that no request pays for it: a service calls this as it starts.
@@ -293,6 +339,16 @@ def warm() -> None:
         judge(np.full((2, 4), 0.25, dtype=dtype), meta, ids, counts, 4, u, out)
     for dtype in (np.float32, np.float64):
         draft_q(np.zeros(4, dtype=dtype), 1.0, 2, 4, 1, ids[:2].copy(), counts[:2].copy())
+    size = np.ones(1, dtype=np.int64)
+    encode_q(
+        ids[:1],
+        counts[:1],
+        size,
+        np.empty(1, np.uint8),
+        ids[:1].copy(),
+        np.empty(1, np.uint8),
+        ids[:1].copy(),
+    )
     one = np.frombuffer(b"\x01", dtype=np.uint8)  # (read-only, as from a message)
     none = np.zeros(0, dtype=np.int64)
     meta = np.array([1, 0, 1], dtype=np.int64)

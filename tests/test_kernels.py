@@ -299,3 +299,50 @@ def test_the_compiled_draft_q_refuses_non_finite_logits(bad):
                 draft_position(logits, SamplingParams(1.0), 8, 0.0, 16, generator(1))
         finally:
             kernels.ENABLED = True
+
+
+@st.composite
+def q_lists(draw):
+    """1-6 SparseQs: ids in any order (ascending or not), counts and id gaps on both
+    sides of the escape byte."""
+    vocab = draw(st.sampled_from([3, 300, 4096, 151_936]))
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        ids = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40, unique=True))
+        if draw(st.booleans()):
+            ids.sort()
+        count = st.one_of(st.sampled_from([1, 254, 255, 256, 2**16]), st.integers(1, 70_000))
+        counts = draw(st.lists(count, min_size=len(ids), max_size=len(ids)))
+        out.append(SparseQ(np.array(ids, dtype=np.int64), np.array(counts), 0, vocab))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(q_lists())
+def test_compiled_encoding_is_the_references_message(qs):
+    """Byte for byte what ``_pack_lists`` writes (which sorts unordered ids)."""
+    kernels.ENABLED = False
+    try:
+        ref = pack_q(qs)
+    finally:
+        kernels.ENABLED = True
+    assert pack_q(qs) == ref
+
+
+def test_compiled_encoding_escapes_at_255_exactly():
+    """Gaps and counts of 254, 255 and 256: 255 and above go to the escapes."""
+    qs = [
+        SparseQ(np.array([255, 510, 764, 1020]), np.array([254, 255, 256, 2**16]), 0, 2000),
+        SparseQ(np.array([1, 3]), np.array([255, 1]), 0, 2000),
+    ]
+    pb = pack_q(qs)
+    assert pb == pack_q([qs[0], SparseQ(np.array([3, 1]), np.array([1, 255]), 0, 2000)])
+    assert list(pb.id_escapes) == [255, 255, 256] and list(pb.count_escapes) == [
+        255,
+        256,
+        2**16,
+        255,
+    ]
+    assert pb.id_deltas == bytes([255, 255, 254, 255, 1, 2]) and pb.counts[:4] == bytes(
+        [254, 255, 255, 255]
+    )
