@@ -115,6 +115,42 @@ def judge(
     return OK
 
 
+# _kth_largest's bins: 1/32 nat wide below the top score, 64 nats in all, then one for
+# everything lower.
+_BINS_PER_NAT = 32
+_BINS = 64 * _BINS_PER_NAT + 1
+
+
+@njit(cache=True, nogil=True)
+def _kth_largest(s: np.ndarray, top: float, k: int) -> float:
+    """The k-th largest of the scores s (1 < k < len(s); no NaN), top their largest.
+
+    A partition of fresh scores mispredicts its branches (50 us at 4,096 scores,
+    against 7 on the same scores again): the scores are counted into bins by their
+    distance below the top instead, and only the bin holding the k-th is
+    partitioned. Where that is the last bin (the k-th more than 64 nats below the
+    top), the whole is."""
+    hist = np.zeros(_BINS, dtype=np.int64)
+    for j in range(s.shape[0]):
+        d = (top - s[j]) * _BINS_PER_NAT
+        hist[np.int64(d) if d < _BINS - 1 else _BINS - 1] += 1
+    above = 0  # scores in bins nearer the top
+    b = 0
+    while above + hist[b] < k:
+        above += hist[b]
+        b += 1
+    if b == _BINS - 1:
+        return np.partition(s, s.shape[0] - k)[s.shape[0] - k]
+    members = np.empty(hist[b])
+    m = 0
+    for j in range(s.shape[0]):
+        d = (top - s[j]) * _BINS_PER_NAT
+        if d < _BINS - 1 and np.int64(d) == b:
+            members[m] = s[j]
+            m += 1
+    return np.sort(members)[m - (k - above)]
+
+
 @njit(cache=True, nogil=True)
 def draft_q(
     z: np.ndarray, inv_t: float, k: int, scale: int, r: int, ids: np.ndarray, counts: np.ndarray
@@ -125,8 +161,8 @@ def draft_q(
     z: [vocab] logits (float32 or float64); inv_t: 1 / temperature; k: the most
     tokens listed (0 < k <= vocab); scale: 2^bits. The k most likely tokens are
     listed in ascending order (ties at the k-th score: the lowest ids), with their
-    mass in integer counts (largest remainders; leftovers beyond one per entry to
-    the most likely), the rest of the mass as the tail, spread evenly over the
+    mass in integer counts (each the floor or the ceiling of its exact share, by
+    cumulative rounding), the rest of the mass as the tail, spread evenly over the
     unlisted tokens. r: a uniform integer in [0, scale) for the draw, or -1: none.
     Fills ids, counts: [k] (the first n used). Returns (n, tail, the drawn token:
     -1 where it falls in the tail, or where r is -1), or (-1, 0, -1) where the
@@ -152,7 +188,7 @@ def draft_q(
     elif k == 1:
         kth = top
     else:
-        kth = np.partition(s, vocab - k)[vocab - k]
+        kth = _kth_largest(s, top, k)
     ties = k
     for j in range(vocab):
         if s[j] > kth:
@@ -174,20 +210,20 @@ def draft_q(
         listed += probs[i]
     tail_mass = max(0.0, 1.0 - listed) if n < vocab else 0.0
     per = scale / (listed + tail_mass)
-    rest = np.empty(n)  # each entry's rounding remainder
-    left = scale - np.int64(tail_mass * scale / (listed + tail_mass))  # what the list gets
-    tail = scale - left
+    tail = np.int64(tail_mass * scale / (listed + tail_mass))
+    # Cumulative rounding: entry i gets floor(C_i) - floor(C_i-1), C_i the running sum
+    # of the exact counts, so each gets the floor or the ceiling of its own and they add
+    # up to floor(C_n); what rounding leaves of 2^bits - tail goes to the most likely.
+    # (Largest remainders, the reference's rule, need a sort of fresh remainders: some
+    # 50 us of mispredicted branches at 1,024 entries.)
+    running = 0.0
+    given = 0
     for i in range(n):
-        exact = probs[i] * per
-        counts[i] = np.int64(exact)  # (its floor: exact >= 0)
-        rest[i] = exact - counts[i]
-        left -= counts[i]
-    if left > 0:  # largest remainders first (ties: lower ids); beyond one each, the lead
-        order = np.argsort(-rest, kind="mergesort")
-        extra = min(left, n)
-        for i in range(extra):
-            counts[order[i]] += 1
-        counts[lead] += left - extra
+        running += probs[i] * per
+        floor = np.int64(running)  # (running >= 0)
+        counts[i] = floor - given
+        given = floor
+    counts[lead] += scale - tail - given
     kept = 0  # drop what rounded to zero, keeping the order
     for i in range(n):
         if counts[i] > 0:

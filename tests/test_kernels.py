@@ -269,6 +269,10 @@ def test_the_compiled_draft_q_is_the_references_up_to_rounding(
         logits = logits.double()
     params = SamplingParams(temperature)
     ours, ref = sparse_q(logits, params, k, 0.0, bits), _q_off(logits, params, k, bits)
+    # Only the k largest logits are listed, ties at the k-th taking the lowest ids.
+    z = logits.numpy()
+    allowed = set(np.lexsort((np.arange(vocab), -z))[: k or vocab].tolist())
+    assert set(ours.ids.tolist()) <= allowed and set(ref.ids.tolist()) <= allowed
     assert ours.counts.sum() + ours.tail == 2**bits and (ours.counts > 0).all()
     assert (np.diff(ours.ids) > 0).all() and ours.tail >= 0
     assert ours.tail == 0 or len(ours.ids) < vocab
