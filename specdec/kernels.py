@@ -11,13 +11,17 @@ NUMBA_CACHE_DIR). On the draft, ``draft_q`` makes each drafted position's q and
 draws from it, and ``encode_q`` puts them on the wire; on the target ``decode_q``
 decodes and checks them, and ``judge`` does the step's judging.
 
-Each kernel computes what a reference in ``specdec.sampling`` computes, in
-float64 where the reference rounds some steps to p's dtype: the same tokens for
-the same uniforms except where a cumulative sum falls within rounding of a
-uniform's target (``tests/test_kernels.py`` compares them draw for draw). The
-reference stays the path for CUDA tensors and for what the kernels leave out
-(dense p, PIT terms, guesses), and is the whole path with ``SPECDEC_KERNELS=0``.
-Not for: deciding what to compute (``specdec.sampling``).
+Each kernel has a reference in numpy and torch (``specdec.sampling``,
+``specdec.wire``) that ``tests/test_kernels.py`` compares it with: the codec's
+bytes and checks are the reference's; the judge draws the same tokens for the
+same uniforms except where a cumulative sum falls within rounding of a uniform's
+target (it works in float64 where the reference rounds some steps to p's dtype);
+the draft's q lists the same tokens with counts within one of the reference's
+(cumulative rounding instead of largest remainders: no sort), and x is drawn
+from exactly those counts. The references stay the path for CUDA tensors and
+for what the kernels leave out (top-k / top-p and ``wire_eps`` on the draft;
+dense p, PIT terms and guesses on the target), and are the whole path with
+``SPECDEC_KERNELS=0``. Not for: deciding what to compute (``specdec.sampling``).
 """
 
 from __future__ import annotations
