@@ -165,9 +165,9 @@ def draft_q(
     z: [vocab] logits (float32 or float64); inv_t: 1 / temperature; k: the most
     tokens listed (0 < k <= vocab); scale: 2^bits. The k most likely tokens are
     listed in ascending order (ties at the k-th score: the lowest ids), with their
-    mass in integer counts (each the floor or the ceiling of its exact share, by
-    cumulative rounding), the rest of the mass as the tail, spread evenly over the
-    unlisted tokens. r: a uniform integer in [0, scale) for the draw, or -1: none.
+    mass in integer counts and the rest of the mass as the tail, spread evenly over
+    the unlisted tokens (each the floor or the ceiling of its exact share, by
+    cumulative rounding). r: a uniform integer in [0, scale) for the draw, or -1: none.
     Fills ids, counts: [k] (the first n used). Returns (n, tail, the drawn token:
     -1 where it falls in the tail, or where r is -1), or (-1, 0, -1) where the
     logits' mass is not finite (NaN, or an infinite logit).
@@ -198,14 +198,11 @@ def draft_q(
         if s[j] > kth:
             ties -= 1
     n = 0
-    lead = 0  # the most likely listed token (the first of them)
     for j in range(vocab):
         if s[j] > kth or (s[j] == kth and ties > 0):
             if not s[j] > kth:
                 ties -= 1
             ids[n] = j
-            if s[j] > s[ids[lead]]:
-                lead = n
             n += 1
     probs = np.empty(n)
     listed = 0.0
@@ -214,20 +211,22 @@ def draft_q(
         listed += probs[i]
     tail_mass = max(0.0, 1.0 - listed) if n < vocab else 0.0
     per = scale / (listed + tail_mass)
-    tail = np.int64(tail_mass * scale / (listed + tail_mass))
-    # Cumulative rounding: entry i gets floor(C_i) - floor(C_i-1), C_i the running sum
-    # of the exact counts, so each gets the floor or the ceiling of its own and they add
-    # up to floor(C_n); what rounding leaves of 2^bits - tail goes to the most likely.
-    # (Largest remainders, the reference's rule, need a sort of fresh remainders: some
-    # 50 us of mispredicted branches at 1,024 entries.)
+    # Cumulative rounding, the tail last: entry i gets floor(C_i) - floor(C_i-1), C_i the
+    # running sum of the exact counts, and the tail what is left of 2^bits, so each gets
+    # the floor or the ceiling of its exact share. Without a tail the last entry takes
+    # what is left (C_n is 2^bits up to float rounding). (Largest remainders, the
+    # reference's rule, need a sort of fresh remainders: some 50 us of mispredicted
+    # branches at 1,024 entries.)
     running = 0.0
     given = 0
     for i in range(n):
         running += probs[i] * per
         floor = np.int64(running)  # (running >= 0)
+        if i == n - 1 and tail_mass == 0.0:
+            floor = scale
         counts[i] = floor - given
         given = floor
-    counts[lead] += scale - tail - given
+    tail = scale - given
     kept = 0  # drop what rounded to zero, keeping the order
     for i in range(n):
         if counts[i] > 0:
@@ -235,13 +234,6 @@ def draft_q(
             counts[kept] = counts[i]
             kept += 1
     n = kept
-    if tail and n == vocab:  # nothing unlisted to spread it over: to the most likely
-        lead = 0
-        for i in range(n):
-            if s[ids[i]] > s[ids[lead]]:
-                lead = i
-        counts[lead] += tail
-        tail = 0
     token = -1
     if r >= 0:
         c = 0
@@ -292,24 +284,14 @@ def decode_q(
         mass = tail
         drawable = tail > 0  # x_i unlisted falls in the tail
         for j in range(size):
-            d = np.int64(id_bytes[k])
-            if d == _ESCAPE:
-                if e_id == id_escapes.shape[0]:
-                    return False
-                d = id_escapes[e_id]
-                e_id += 1
-            if j > 0 and d <= 0:  # ids ascend: a repeated id
+            d, e_id = _take(id_bytes, id_escapes, k, e_id)
+            if d < 0 or (j > 0 and d == 0):  # an escape missing; ids ascend: a repeat
                 return False
             token += d
             if token >= vocab:
                 return False
-            c = np.int64(count_bytes[k])
-            if c == _ESCAPE:
-                if e_count == count_escapes.shape[0]:
-                    return False
-                c = count_escapes[e_count]
-                e_count += 1
-            if c <= 0:
+            c, e_count = _take(count_bytes, count_escapes, k, e_count)
+            if c <= 0:  # an escape missing; counts are positive
                 return False
             mass += c
             drawable = drawable or token == x
@@ -349,21 +331,34 @@ def encode_q(
             if j > 0 and d <= 0:
                 return -1, -1
             prev = ids[k]
-            if d >= _ESCAPE:
-                id_bytes[k] = _ESCAPE
-                id_escapes[n_id] = d
-                n_id += 1
-            else:
-                id_bytes[k] = d
-            c = counts[k]
-            if c >= _ESCAPE:
-                count_bytes[k] = _ESCAPE
-                count_escapes[n_count] = c
-                n_count += 1
-            else:
-                count_bytes[k] = c
+            n_id = _put(d, id_bytes, id_escapes, k, n_id)
+            n_count = _put(counts[k], count_bytes, count_escapes, k, n_count)
             k += 1
     return n_id, n_count
+
+
+@njit(cache=True, nogil=True)
+def _put(v: int, values: np.ndarray, escapes: np.ndarray, k: int, n: int) -> int:
+    """Value v as entry k: its byte, or 255 and v as escape n. Returns the escapes
+    written, n or n + 1."""
+    if v >= _ESCAPE:
+        values[k] = _ESCAPE
+        escapes[n] = v
+        return n + 1
+    values[k] = v
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _take(values: np.ndarray, escapes: np.ndarray, k: int, n: int) -> tuple[int, int]:
+    """Entry k's value: its byte, or escape n where the byte is 255. Returns the value
+    and the escapes read, n or n + 1; (-1, n) where escape n is missing."""
+    v = np.int64(values[k])
+    if v != _ESCAPE:
+        return v, n
+    if n == escapes.shape[0]:
+        return -1, n
+    return escapes[n], n + 1
 
 
 def warm() -> None:

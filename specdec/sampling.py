@@ -497,7 +497,8 @@ def _drafts_compiled(logits: torch.Tensor, params: SamplingParams, eps: float) -
         and not params.greedy
         and params.full_support
         and eps == 0
-        and _numpy_reads(logits)
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     )
 
 
@@ -512,7 +513,8 @@ def _draft_compiled(
     r = -1 if rng is None else rng.integers(0, scale)  # (sample's first draw)
     ids = np.empty(k, dtype=np.int64)
     counts = np.empty(k, dtype=np.int64)
-    z = logits.detach().numpy()
+    z = logits.detach()
+    z = (z if _numpy_reads(z) else z.float()).numpy()  # (half precision: as float32)
     n, tail, x = kernels.draft_q(z, 1.0 / params.temperature, k, scale, r, ids, counts)
     if n < 0:
         raise NonFiniteLogits(_NON_FINITE)

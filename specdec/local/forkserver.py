@@ -36,6 +36,7 @@ PRELOAD = [
     "draft_service.servicer",
     "target_service.servicer",
     "orchestrator.servicer",
+    "specdec.local.template",  # (the compiled kernels, loaded once)
 ]
 
 _context: multiprocessing.context.ForkServerContext | None = None
