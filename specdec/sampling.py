@@ -24,7 +24,7 @@ exactness.
 
 The same warping (temperature, then top-k, then top-p, the order of
 transformers' ``generate``) is applied wherever p or q is formed. Randomness
-comes in as numbers (uniforms, a numpy Generator), never from global state.
+comes in as numbers (uniforms, a ``specdec.rng.Philox`` stream), never from global state.
 Not for: models, caches or the wire format (``specdec.wire``).
 """
 
