@@ -42,7 +42,7 @@ OK = -1
 @njit(cache=True, nogil=True)
 def _draw(w: np.ndarray, total: float, u: float) -> int:
     """The first index whose cumulative mass exceeds u * total (the last if none:
-    rounding). w: [vocab] >= 0."""
+    rounding). w: [vocab] >= 0, summed in float64 in order (as ``total`` was)."""
     target = u * total
     c = 0.0
     for j in range(w.shape[0]):
@@ -101,21 +101,19 @@ def judge(
         mass = 0.0
         for j in range(vocab):
             mass += r[j]
-        if not mass > 0.0:  # q >= p everywhere, so q == p: never rejected; draw from p
-            for j in range(vocab):
-                r[j] = row[j]
-            mass = mass_p
         out[i] = row[x]
         out[gamma + i] = q_x
-        out[2 * gamma + i] = _draw(r, mass, u[i])
+        if mass > 0.0:
+            out[2 * gamma + i] = _draw(r, mass, u[i])
+        else:  # q >= p everywhere, so q == p: never rejected; draw from p
+            out[2 * gamma + i] = _draw(row, mass_p, u[i])
     row = p[gamma]  # the bonus: p itself
     mass_p = 0.0
     for j in range(vocab):
-        r[j] = row[j]
-        mass_p += r[j]
+        mass_p += row[j]
     if not (np.isfinite(mass_p) and mass_p > 0.0):
         return gamma
-    out[3 * gamma] = _draw(r, mass_p, u[gamma])
+    out[3 * gamma] = _draw(row, mass_p, u[gamma])
     return OK
 
 
@@ -136,8 +134,7 @@ def _kth_largest(s: np.ndarray, top: float, k: int) -> float:
     top), the whole is."""
     hist = np.zeros(_BINS, dtype=np.int64)
     for j in range(s.shape[0]):
-        d = (top - s[j]) * _BINS_PER_NAT
-        hist[np.int64(d) if d < _BINS - 1 else _BINS - 1] += 1
+        hist[_bin(top, s[j])] += 1
     above = 0  # scores in bins nearer the top
     b = 0
     while above + hist[b] < k:
@@ -148,11 +145,18 @@ def _kth_largest(s: np.ndarray, top: float, k: int) -> float:
     members = np.empty(hist[b])
     m = 0
     for j in range(s.shape[0]):
-        d = (top - s[j]) * _BINS_PER_NAT
-        if d < _BINS - 1 and np.int64(d) == b:
+        if _bin(top, s[j]) == b:
             members[m] = s[j]
             m += 1
     return np.sort(members)[m - (k - above)]
+
+
+@njit(cache=True, nogil=True)
+def _bin(top: float, score: float) -> int:
+    """_kth_largest's bin of a score: its distance below the top in 1/32 nats, the
+    last bin for everything 64 nats or more below (and -inf)."""
+    d = (top - score) * _BINS_PER_NAT
+    return np.int64(d) if d < _BINS - 1 else _BINS - 1
 
 
 @njit(cache=True, nogil=True)

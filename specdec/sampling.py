@@ -787,13 +787,19 @@ def verify_draft(
     gamma = len(draft_tokens)
     if len(qs) != gamma:
         raise ValueError(f"{gamma} drafted tokens but {len(qs)} distributions")
-    compiled = kernels.ENABLED and not keep_p and not pit and not any(y >= 0 for y in guesses)
-    if compiled and not params.greedy and logits.device.type == "cpu":
+    if (
+        kernels.ENABLED
+        and not params.greedy
+        and logits.device.type == "cpu"
+        and not keep_p
+        and not pit
+        and not any(y >= 0 for y in guesses)
+        and all(q.bits == qs[0].bits for q in qs)
+    ):
         # The draws in one compiled loop (``specdec.kernels.judge``): about forty numpy
-        # and torch calls fewer, each tens of microseconds right after a forward.
-        p = probs_from_logits(logits, params)  # [gamma + 1, vocab]
-        if _numpy_reads(p) and all(q.bits == qs[0].bits for q in qs):
-            return _judge_compiled(p, draft_tokens, qs, u)
+        # and torch calls fewer, each tens of microseconds right after a forward. (p is
+        # float32 or float64 here, ``_prob_dtype``.)
+        return _judge_compiled(probs_from_logits(logits, params), draft_tokens, qs, u)
     if not gamma and not keep_p and not pit and not params.greedy:
         # A plain token (every token of a plain run): the bonus draw from p, nothing
         # else (the path below takes 61 us for it at 4,096 tokens on a CPU, this 34).
