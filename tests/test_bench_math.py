@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 
@@ -94,3 +95,36 @@ def test_a_criterion_carries_its_paired_rounds_and_says_how_many_meet():
     low = {"goal": 1.0, "higher_is_better": False, "rounds": [0.9, 1.01, 1.0]}
     assert rounds_cell(low) == "0.90-1.01, 2 of 3 meet"
     assert rounds_cell({"rounds": None}) == "-"
+
+
+def test_cpu_share_ceilings_follow_the_cpu_per_token():
+    """benchmarks.cpu_share: medians over rounds, the target thread's ceiling from its
+    own CPU per token, the stack's from every process's over all cores."""
+    from benchmarks.cpu_share import cpu_seconds, report, summary
+
+    def rnd(tok_s: float, target: float) -> dict:
+        per = {"draft": 1.0, "target": target, "orchestrator": 0.5, "client": 0.5}
+        return {"tok_s": tok_s, "cores_busy": 1.5, "cpu_ms_per_token": per}
+
+    s = summary([rnd(100.0, 2.0), rnd(300.0, 4.0), rnd(200.0, 3.0)], cores=2)
+    assert s["tok_s"] == 200.0
+    assert s["cpu_ms_per_token"]["target"] == 3.0
+    assert s["total_cpu_ms_per_token"] == pytest.approx(5.0)
+    assert s["target_ceiling_tok_s"] == pytest.approx(1000 / 3)
+    assert s["stack_ceiling_tok_s"] == pytest.approx(2 * 1000 / 5.0)
+    result = {
+        "machine": {
+            "date": "d",
+            "git_commit": "c",
+            "cpu_model": "m",
+            "cpu_cores": 2,
+            "load_average": [0.1, 0, 0],
+        },
+        "load_average_end": [0.2, 0, 0],
+        "temperature": 1.0,
+        "rounds": 3,
+        "runs": {"1": {"seq4": s}, "8": {"seq4": s | {"tok_s": 600.0}}},
+    }
+    # 8 clients at 600 tok/s: 3x one client's; 4x (800) is above the stack's ceiling (400)
+    assert "- 8 clients, seq4: 3.00x; 4x = 800 tok/s, ceiling 400" in report(result)
+    assert cpu_seconds(os.getpid()) > 0  # this process has run
