@@ -367,6 +367,12 @@ def criteria(r: dict) -> list[dict]:
                 )
             )
     out += _wire_criteria(r)
+    # The same comparisons with transformers, both sides in the same rounds.
+    for part in r.get("head_to_head", {}).values():
+        for c in part["criteria"]:
+            if c["goal"] is not None:
+                name = f"{c['criterion']} (head to head)"
+                out.append(_check(name, c["ratio"], c["goal"], rounds=c["ratios"]))
     return out
 
 

@@ -1,7 +1,7 @@
 """specdec against what a user would pick instead, side by side in one run.
 
   python -m benchmarks.run [--quick] [--out results/<timestamp>] [--draft DIR] [--target DIR]
-      [--sections analysis,hf,services,pinned,inprocess,rtt,concurrency,wire,settings]
+      [--sections analysis,hf,services,pinned,head_to_head,inprocess,rtt,concurrency,wire,settings]
 
 Same pair, prompts and sampling settings (greedy, and temperature 1 without
 top-k/top-p) everywhere; every configuration is repeated and the median over
@@ -20,6 +20,9 @@ spell of the machine hits all of them alike. Sections, in order:
    per-step breakdown (forward passes vs everything else).
 4. ``pinned``: the same with each service on its own core (the draft and the
    orchestrator on one, the target on the other), standing for separate machines.
+4b. ``head_to_head``: issue 15's and issue 10's comparisons with transformers
+   again, both sides in the same rounds (``benchmarks.head_to_head``): the
+   sections above run minutes apart, and this VM's speed can move between them.
 5. ``inprocess``: the engine with draft and target in one process (no network),
    the reference for what the network and gRPC cost.
 6. ``rtt``: added network round-trip time through the delay proxy (pinned).
@@ -76,6 +79,7 @@ SECTIONS = (
     "hf",
     "services",
     "pinned",
+    "head_to_head",
     "inprocess",
     "rtt",
     "concurrency",
@@ -110,6 +114,10 @@ class Plan:
     sustained_warm_s: float = 2.0  # per sustained round: not counted, then the window
     sustained_window_s: float = 5.0
     wire_ks: list[int] = field(default_factory=lambda: [64, 256, 1024])
+    # head_to_head: transformers and the services in the same rounds (issues 15 and 10)
+    h2h_ks: list[int] = field(default_factory=lambda: [3, 4, 5, 6])
+    h2h_gammas: list[int] = field(default_factory=lambda: [2, 3, 4, 5])
+    h2h_rounds: int = 4
     analyze_tokens: int = 64
     analyze_rounds: int = 5
     analyze_steps: int = 60
@@ -136,6 +144,9 @@ class Plan:
             sustained_warm_s=0.5,
             sustained_window_s=1.0,
             wire_ks=[64],
+            h2h_ks=[3],
+            h2h_gammas=[3],
+            h2h_rounds=1,
             analyze_tokens=12,
             analyze_rounds=1,
             analyze_steps=10,
@@ -884,6 +895,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             unpin_self()
             stack.stop()
+    if "head_to_head" in sections:
+        log("head to head: transformers and the services in the same rounds, shared and pinned")
+        results["head_to_head"] = head_to_head_section(out, args, plan)
+        save()
     if "inprocess" in sections:
         log("in-process engine (no network)")
         results["inprocess"] = inprocess_section(args.draft, args.target, plan, best_gamma)
@@ -896,6 +911,26 @@ def main(argv: list[str] | None = None) -> int:
     report(results, out, plots=not args.no_plots, save=save)
     log(f"done in {results['seconds']:.0f} s: {out}")
     return 0
+
+
+def head_to_head_section(out: Path, args, plan: Plan) -> dict:
+    """``benchmarks.head_to_head`` on a stack of its own: issue 15's and issue 10's
+    ratios to transformers, each from rounds that interleave both sides."""
+    from . import head_to_head
+
+    pair = analyze_mod.load_pair(args.draft, args.target)
+    c = head_to_head.Choices(
+        plan.prompts, plan.max_new_tokens, plan.h2h_rounds, plan.h2h_ks, plan.h2h_gammas,
+        list(TEMPERATURES),
+    )  # fmt: skip
+    hf = head_to_head.Transformers(pair, plan.prompts, plan.max_new_tokens)
+    stack = start_services(
+        out / "head_to_head", args.draft, args.target, threads=1, draft_threads=1
+    )
+    try:
+        return head_to_head.run_parts(stack, hf, ["shared", "pinned"], c)
+    finally:
+        stack.stop()
 
 
 def report(results: dict, out: Path, plots: bool, save) -> None:

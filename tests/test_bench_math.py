@@ -128,3 +128,40 @@ def test_cpu_share_ceilings_follow_the_cpu_per_token():
     # 8 clients at 600 tok/s: 3x one client's; 4x (800) is above the stack's ceiling (400)
     assert "- 8 clients, seq4: 3.00x; 4x = 800 tok/s, ceiling 400" in report(result)
     assert cpu_seconds(os.getpid()) > 0  # this process has run
+
+
+def test_head_to_head_compares_within_each_round():
+    """benchmarks.head_to_head: plain / generate() round by round; each side's best is
+    the configuration fastest over the other rounds; overlapped / sequential at the
+    gamma overlapped picked."""
+    from benchmarks.head_to_head import criteria, held_out_series
+
+    # seq3 is fastest in round 2 only: the other rounds pick seq4 there too
+    fam = {"seq3@1": [100.0, 100.0, 130.0], "seq4@1": [120.0, 120.0, 115.0]}
+    series, picks = held_out_series(fam)
+    assert picks == ["seq4@1", "seq4@1", "seq4@1"] and series == [120.0, 120.0, 115.0]
+    shared = {
+        "generate@1": [100.0, 50.0, 100.0],  # the VM halved its speed in round 1 ...
+        "plain@1": [98.0, 49.0, 97.0],  # ... for both sides of this ratio alike
+        "assisted4@1": [110.0, 110.0, 110.0],
+        "adaptive@1": [110.0, 55.0, 121.0],
+        **fam,
+    }
+    rows = {r["criterion"]: r for r in criteria(shared, "shared", [1.0])}
+    assert rows["15: plain / generate(), T=1"]["ratio"] == pytest.approx(0.98)
+    best = rows["15: specdec best gamma / assisted best k, T=1"]
+    assert best["ratios"] == [pytest.approx(120 / 110, abs=1e-3)] * 2 + [
+        pytest.approx(115 / 110, abs=1e-3)
+    ]
+    pinned = {
+        "assisted4@1": [100.0, 100.0, 100.0],
+        "seq2@1": [100.0, 100.0, 100.0],
+        "ovl2@1": [120.0, 130.0, 125.0],
+        "seq3@1": [90.0, 90.0, 90.0],
+        "ovl3@1": [110.0, 110.0, 110.0],
+    }
+    rows = {r["criterion"]: r for r in criteria(pinned, "pinned", [1.0])}
+    same = rows["10: overlapped / sequential at the same gamma, T=1"]
+    assert same["picks"] == ["ovl2@1"] * 3  # against seq2, not the slower seq3
+    assert same["ratio"] == pytest.approx(1.25)
+    assert rows["10: overlapped best / assisted best k on the target's core, T=1"]["goal"] == 1.3

@@ -44,7 +44,7 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
         "benchmarks.run", "--quick", "--draft", str(draft),
         "--target", str(target), "--out", str(out), "--max-new-tokens", "6",
         # every section but the thread settings (more stacks of the same code, 25 s)
-        "--sections", "analysis,hf,services,pinned,inprocess,rtt,concurrency,wire",
+        "--sections", "analysis,hf,services,pinned,head_to_head,inprocess,rtt,concurrency,wire",
         timeout=600,
     )  # fmt: skip
     assert "criteria:" in proc.stdout
@@ -99,6 +99,13 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     assert len(front) == 4 and all(row["tok_s"] > 0 for row in front.values())
     assert {name[:3] for name in front} == {"seq", "ovl"}
     assert any("orchestrator on the target's core" in c["criterion"] for c in results["criteria"])
+    h2h = results["head_to_head"]  # transformers and the services in the same rounds
+    assert set(h2h) == {"shared", "pinned"}
+    assert all(len(v) == 1 and v[0] > 0 for part in h2h.values() for v in part["rates"].values())
+    assert {"generate@1", "assisted3@1", "plain@1", "seq3@1"} <= set(h2h["shared"]["rates"])
+    assert {"assisted3@0", "seq3@0", "ovl3@0"} <= set(h2h["pinned"]["rates"])
+    paired = [c for c in results["criteria"] if c["criterion"].endswith("(head to head)")]
+    assert len(paired) == 8 and all(len(c["rounds"]) == 1 for c in paired)
 
     md = (out / "results.md").read_text()
     assert "References, not goals" in (out / "results.md").read_text()

@@ -1,0 +1,271 @@
+"""Issue 15's and issue 10's comparisons with transformers, round by round: the
+services and ``generate()`` measured in the same rounds, so that a VM whose
+speed drifts between ``make bench``'s sections cannot decide a ratio.
+
+    python -m benchmarks.head_to_head [--parts shared pinned] [--rounds 5]
+        [--ks 3 4 5 6] [--gammas 2 3 4 5] [--temperatures 0 1]
+        [--out results/head-to-head-<time>]
+
+One stack of the demo pair (one torch thread per service) and the same two
+models in this process. ``shared``: the services on both cores, transformers
+with 2 threads on both (issue 15): ``generate()`` plain, assisted with a fixed
+k (``--ks``, no confidence threshold), and through the services plain
+decoding (gamma 0), sequential speculation at ``--gammas`` and adaptive.
+``pinned`` (separate machines, as ``make bench`` pins them: the draft with the
+orchestrator and this client at niceness 10 on one core, the target on the
+other): assisted generation with 1 thread on the target's core (what a user
+with only the target's machine gets) against sequential and overlapped
+speculation at ``--gammas`` (issue 10). Stock transformers, as a user runs it.
+
+Every configuration runs the 8 prompts x 64 tokens once to warm up, then
+``--rounds`` rounds of all of a part's configurations, the order rotating; a
+rate is tokens over the seconds of the prompts' calls. Each criterion is the
+median of its per-round ratios: plain / ``generate()`` in the same round;
+"best" / "best" as ``benchmarks.report.held_out_best`` takes it (each round's
+pick is the configuration fastest over the other rounds, so the winner's
+curse does not flatter either side); overlapped / sequential at the same
+gamma, at overlapped's held-out pick. Prints a table; writes results.json and
+results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import analyze as analyze_mod
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .plain_runs import MAX_NEW, interleaved
+from .report import held_out_best
+from .run import TARGET_CORE, _run_prompts, hf_generate, pin_stack, unpin_stack
+
+
+class Transformers:
+    """The pair in this process: plain and assisted ``generate()``, per round."""
+
+    def __init__(self, pair, prompts: list[str], max_new_tokens: int) -> None:
+        """``pair``: (tokenizer, draft, target), as ``analyze.load_pair`` loads them."""
+        tok, self.draft, self.target = pair
+        self.ids = [tok(p, return_tensors="pt")["input_ids"] for p in prompts]
+        self.max_new_tokens = max_new_tokens
+        cfg = self.draft.generation_config
+        self._defaults = (
+            cfg.num_assistant_tokens,
+            cfg.num_assistant_tokens_schedule,
+            cfg.assistant_confidence_threshold,
+        )
+
+    def rate(self, k: int | None, t: float, r: int, threads: int, cores: set[int] | None) -> float:
+        """tok/s of the prompts with assistant k (None: plain), ``threads`` torch
+        threads on ``cores`` (None: every core)."""
+        old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, cores or set(range(os.cpu_count() or 1)))
+        cfg = self.draft.generation_config
+        if k is not None:
+            cfg.num_assistant_tokens = k
+            cfg.num_assistant_tokens_schedule = "constant"
+            cfg.assistant_confidence_threshold = 0.0
+        try:
+            tokens = secs = 0.0
+            for j, x in enumerate(self.ids):
+                n, dt = hf_generate(
+                    self.target, x, self.max_new_tokens, t, 1000 * r + j, self.draft if k else None
+                )
+                tokens, secs = tokens + n, secs + dt
+            return tokens / secs
+        finally:
+            (
+                cfg.num_assistant_tokens,
+                cfg.num_assistant_tokens_schedule,
+                cfg.assistant_confidence_threshold,
+            ) = self._defaults
+            torch.set_num_threads(old_threads)
+            os.sched_setaffinity(0, old_cores)
+
+
+@dataclass
+class Choices:
+    """What a head-to-head run compares."""
+
+    prompts: list[str]
+    max_new_tokens: int = MAX_NEW
+    rounds: int = 5
+    ks: list[int] = field(default_factory=lambda: [3, 4, 5, 6])
+    gammas: list[int] = field(default_factory=lambda: [2, 3, 4, 5])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+
+
+def services_rate(client: Client, fields: dict, r: int, c: Choices) -> float:
+    """tok/s of the prompts through the services (tokens over the calls' seconds)."""
+    total = _run_prompts(client, c.prompts, c.max_new_tokens, fields, r)
+    return total["tokens"] / total["wall_s"]
+
+
+def configs_for(part: str, hf: Transformers, client: Client, c: Choices) -> dict:
+    """The part's configurations: name -> (round -> tok/s)."""
+
+    def svc_rate(f: dict):
+        return lambda r: services_rate(client, f, r, c)
+
+    # transformers: both cores with 2 threads, or the target's core with 1
+    cores, threads = (None, 2) if part == "shared" else ({TARGET_CORE}, 1)
+    out = {}
+    for t in c.temperatures:
+        at = f"@{t:g}"
+        if part == "shared":
+            out["generate" + at] = lambda r, t=t: hf.rate(None, t, r, 2, None)
+        for k in c.ks:
+            out[f"assisted{k}{at}"] = lambda r, k=k, t=t: hf.rate(k, t, r, threads, cores)
+        svc = {"temperature": t}
+        if part == "shared":
+            out["plain" + at] = svc_rate(svc | {"gamma": 0})
+            out["adaptive" + at] = svc_rate(svc | {"gamma": None, "seed": None})
+        for g in c.gammas:
+            out[f"seq{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": False})
+            if part == "pinned":
+                out[f"ovl{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": True})
+    return out
+
+
+def family(rates: dict[str, list[float]], prefix: str, at: str) -> dict[str, list[float]]:
+    return {k: v for k, v in rates.items() if k.startswith(prefix) and k.endswith(at)}
+
+
+def held_out_series(fam: dict[str, list[float]]) -> tuple[list[float], list[str]]:
+    """Round by round, the rate of the configuration fastest over the other rounds."""
+    names = list(fam)
+    rounds = len(fam[names[0]])
+    picks = []
+    for i in range(rounds):
+        others = [j for j in range(rounds) if j != i] or [i]
+        picks.append(max(names, key=lambda n: statistics.median(fam[n][j] for j in others)))
+    return [fam[p][i] for i, p in enumerate(picks)], picks
+
+
+def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dict]:
+    """The part's criteria: name, goal, the median of the per-round ratios, the ratios."""
+    rows = []
+    for t in temperatures:
+        at = f"@{t:g}"
+        label = "greedy" if t == 0 else f"T={t:g}"
+        assisted = family(rates, "assisted", at)
+        if part == "shared":
+            plain, generate = rates["plain" + at], rates["generate" + at]
+            ratios = [a / b for a, b in zip(plain, generate, strict=True)]
+            rows.append(_row(f"15: plain / generate(), {label}", 0.95, ratios))
+            seq, picks = held_out_series(family(rates, "seq", at))
+            best = held_out_best(seq, assisted)
+            rows.append(_row(f"15: specdec best gamma / assisted best k, {label}", 1.0,
+                             best["ratios"], picks))  # fmt: skip
+            ada = held_out_best(rates["adaptive" + at], assisted)
+            rows.append(_row(f"adaptive / assisted best k, {label}", None, ada["ratios"]))
+        else:
+            ovl_fam = family(rates, "ovl", at)
+            ovl, picks = held_out_series(ovl_fam)
+            best = held_out_best(ovl, assisted)
+            rows.append(_row(f"10: overlapped best / assisted best k on the target's core, "
+                             f"{label}", 1.3, best["ratios"], picks))  # fmt: skip
+            same = [ovl[i] / rates[p.replace("ovl", "seq")][i] for i, p in enumerate(picks)]
+            rows.append(_row(f"10: overlapped / sequential at the same gamma, {label}", 1.15,
+                             same, picks))  # fmt: skip
+    return rows
+
+
+def _row(name: str, goal: float | None, ratios: list[float], picks=None) -> dict:
+    return {
+        "criterion": name,
+        "goal": goal,
+        "ratio": statistics.median(ratios),
+        "ratios": [round(x, 3) for x in ratios],
+        "picks": picks,
+    }
+
+
+def report(result: dict) -> str:
+    info = result["machine"]
+    lines = [
+        "# Head to head with transformers, round by round",
+        "",
+        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
+        f"{info['cpu_cores']} cores; load average {info['load_average'][0]:.2f} at the "
+        f"start, {result['load_average_end'][0]:.2f} at the end. {result['rounds']} rounds "
+        "after a warm-up, configurations rotating; 8 prompts x 64 tokens; medians.",
+        "",
+        "| criterion | goal | median of per-round ratios | rounds | met in rounds |",
+        "|---|---|---|---|---|",
+    ]
+    for part in result["parts"].values():
+        for c in part["criteria"]:
+            goal = "" if c["goal"] is None else f"≥ {c['goal']:g}"
+            met = "" if c["goal"] is None else sum(x >= c["goal"] for x in c["ratios"])
+            met = "" if met == "" else f"{met} of {len(c['ratios'])}"
+            lines.append(
+                f"| {c['criterion']} | {goal} | **{c['ratio']:.3f}** | "
+                f"{', '.join(f'{x:.2f}' for x in c['ratios'])} | {met} |"
+            )
+    for name, part in result["parts"].items():
+        lines += ["", f"## {name}: tok/s by configuration (median; rounds)", ""]
+        lines += ["| configuration | tok/s | rounds |", "|---|---|---|"]
+        for k, v in part["rates"].items():
+            lines.append(
+                f"| {k} | {statistics.median(v):.1f} | {', '.join(f'{x:.0f}' for x in v)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_parts(stack, hf: Transformers, parts: list[str], c: Choices) -> dict:
+    """Each part's rates by round and its criteria, on ``stack`` (left unpinned)."""
+    client = Client(stack.orchestrator_address)
+    out = {}
+    try:
+        for part in parts:
+            (pin_stack if part == "pinned" else unpin_stack)(stack)
+            rates = interleaved(configs_for(part, hf, client, c), c.rounds)
+            out[part] = {"rates": rates, "criteria": criteria(rates, part, c.temperatures)}
+            print(f"{part} done", flush=True)
+    finally:
+        client.close()
+        unpin_stack(stack)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--parts", nargs="*", default=["shared", "pinned"],
+                    choices=["shared", "pinned"])  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ks", type=int, nargs="*", default=[3, 4, 5, 6])
+    ap.add_argument("--gammas", type=int, nargs="*", default=[2, 3, 4, 5])
+    ap.add_argument("--temperatures", type=float, nargs="*", default=[0.0, 1.0])
+    ap.add_argument("--out", default=f"results/head-to-head-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    c = Choices(list(PROMPTS), MAX_NEW, args.rounds, args.ks, args.gammas, args.temperatures)
+    result: dict = {"machine": machine_info("cpu"), "rounds": args.rounds}
+    hf = Transformers(analyze_mod.load_pair(args.draft, args.target), c.prompts, MAX_NEW)
+    stack = start_services(out / "stack", args.draft, args.target, threads=1, draft_threads=1)
+    try:
+        result["parts"] = run_parts(stack, hf, args.parts, c)
+    finally:
+        stack.stop()
+    result["load_average_end"] = list(os.getloadavg())
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    md = report(result)
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
