@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.request import urlopen
 
@@ -145,6 +145,17 @@ def machine_info(device: str) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
+
+
+def finish(out: Path, result: dict, report: Callable[[dict], str]) -> int:
+    """A standalone benchmark's end: the load average now, ``result`` as
+    results.json, ``report(result)`` as results.md and on stdout; exit code 0."""
+    result["load_average_end"] = list(os.getloadavg())
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    md = report(result)
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
 
 
 def param_count(model) -> int:

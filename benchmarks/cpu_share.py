@@ -28,13 +28,12 @@ Prints a table; writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, finish, machine_info, start_services
 from .plain_runs import MAX_NEW
 from .run import clients_round
 
@@ -159,12 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n} clients done", flush=True)
     finally:
         stack.stop()
-    result["load_average_end"] = list(os.getloadavg())
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    md = report(result)
-    (out / "results.md").write_text(md)
-    print(md)
-    return 0
+    return finish(out, result, report)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -41,7 +40,15 @@ from pathlib import Path
 import torch
 
 from . import analyze as analyze_mod
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    Client,
+    finish,
+    machine_info,
+    start_services,
+)
 from .plain_runs import MAX_NEW, interleaved
 from .report import held_out_best
 from .run import TARGET_CORE, _run_prompts, hf_generate, pin_stack, unpin_stack
@@ -259,12 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         result["parts"] = run_parts(stack, hf, args.parts, c)
     finally:
         stack.stop()
-    result["load_average_end"] = list(os.getloadavg())
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    md = report(result)
-    (out / "results.md").write_text(md)
-    print(md)
-    return 0
+    return finish(out, result, report)
 
 
 if __name__ == "__main__":

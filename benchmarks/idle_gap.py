@@ -18,7 +18,6 @@ Prints a table; writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -29,7 +28,7 @@ import torch
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, machine_info
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, finish, machine_info
 
 WAYS = ("sleep", "spin")
 TOKENS = {"draft": 1, "target": 5}
@@ -120,12 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"machine": machine_info("cpu"), "passes": args.passes, "models": {}}
     for role, path in (("draft", args.draft), ("target", args.target)):
         result["models"][role] = measure(path, TOKENS[role], args.gaps_ms, args.passes)
-    result["load_average_end"] = list(os.getloadavg())
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    md = report(result)
-    (out / "results.md").write_text(md)
-    print(md)
-    return 0
+    return finish(out, result, report)
 
 
 if __name__ == "__main__":
