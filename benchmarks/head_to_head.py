@@ -50,7 +50,7 @@ from .common import (
     start_services,
 )
 from .plain_runs import MAX_NEW, interleaved
-from .report import held_out_best
+from .report import held_out_best, held_out_picks
 from .run import TARGET_CORE, _run_prompts, hf_generate, pin_stack, unpin_stack
 
 
@@ -147,13 +147,9 @@ def family(rates: dict[str, list[float]], prefix: str, at: str) -> dict[str, lis
 
 
 def held_out_series(fam: dict[str, list[float]]) -> tuple[list[float], list[str]]:
-    """Round by round, the rate of the configuration fastest over the other rounds."""
-    names = list(fam)
-    rounds = len(fam[names[0]])
-    picks = []
-    for i in range(rounds):
-        others = [j for j in range(rounds) if j != i] or [i]
-        picks.append(max(names, key=lambda n: statistics.median(fam[n][j] for j in others)))
+    """Round by round, the rate of the configuration fastest over the other rounds
+    (``report.held_out_picks``), and those picks."""
+    picks = held_out_picks(fam)
     return [fam[p][i] for i, p in enumerate(picks)], picks
 
 

@@ -44,23 +44,31 @@ def held_out_best(candidate: list[float], fixed: dict[str, list[float]]) -> dict
     rounds = len(candidate)
     if rounds == 0 or not fixed or any(len(v) != rounds for v in fixed.values()):
         raise ValueError("every configuration needs one rate per round")
-
-    def best(skip: int | None) -> str:
-        def med(name: str) -> float:
-            xs = [x for i, x in enumerate(fixed[name]) if i != skip]
-            return statistics.median(xs)
-
-        return max(fixed, key=med)
-
-    picks = [best(i if rounds > 1 else None) for i in range(rounds)]
+    picks = held_out_picks(fixed)
     ratios = [candidate[i] / fixed[picks[i]][i] for i in range(rounds)]
-    in_sample = statistics.median(candidate) / statistics.median(fixed[best(None)])
+    in_sample = statistics.median(candidate) / statistics.median(fixed[_fastest(fixed, None)])
     return {
         "ratio": statistics.median(ratios),
         "ratios": [round(x, 4) for x in ratios],
         "picks": picks,
         "in_sample": in_sample,
     }
+
+
+def held_out_picks(fixed: dict[str, list[float]]) -> list[str]:
+    """Round by round, the configuration of ``fixed`` fastest (by median) over the
+    other rounds; with one round, over that round."""
+    rounds = len(next(iter(fixed.values())))
+    return [_fastest(fixed, i if rounds > 1 else None) for i in range(rounds)]
+
+
+def _fastest(fixed: dict[str, list[float]], skip: int | None) -> str:
+    """The configuration with the highest median over the rounds but ``skip``."""
+
+    def med(name: str) -> float:
+        return statistics.median(x for i, x in enumerate(fixed[name]) if i != skip)
+
+    return max(fixed, key=med)
 
 
 def paired_ratios(
