@@ -37,8 +37,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from . import analyze as analyze_mod
 from .common import (
     DEFAULT_DRAFT,
@@ -51,7 +49,15 @@ from .common import (
 )
 from .plain_runs import MAX_NEW, interleaved
 from .report import held_out_best, held_out_picks
-from .run import TARGET_CORE, _run_prompts, hf_generate, pin_stack, unpin_stack
+from .run import (
+    TARGET_CORE,
+    _run_prompts,
+    assistant_k,
+    hf_generate,
+    pin_stack,
+    torch_on,
+    unpin_stack,
+)
 
 
 class Transformers:
@@ -62,40 +68,19 @@ class Transformers:
         tok, self.draft, self.target = pair
         self.ids = [tok(p, return_tensors="pt")["input_ids"] for p in prompts]
         self.max_new_tokens = max_new_tokens
-        cfg = self.draft.generation_config
-        self._defaults = (
-            cfg.num_assistant_tokens,
-            cfg.num_assistant_tokens_schedule,
-            cfg.assistant_confidence_threshold,
-        )
 
     def rate(self, k: int | None, t: float, r: int, threads: int, cores: set[int] | None) -> float:
         """tok/s of the prompts with assistant k (None: plain), ``threads`` torch
         threads on ``cores`` (None: every core)."""
-        old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
-        torch.set_num_threads(threads)
-        os.sched_setaffinity(0, cores or set(range(os.cpu_count() or 1)))
-        cfg = self.draft.generation_config
-        if k is not None:
-            cfg.num_assistant_tokens = k
-            cfg.num_assistant_tokens_schedule = "constant"
-            cfg.assistant_confidence_threshold = 0.0
-        try:
+        every = set(range(os.cpu_count() or 1))
+        with torch_on(threads, cores or every), assistant_k(self.draft, k):
             tokens = secs = 0.0
             for j, x in enumerate(self.ids):
                 n, dt = hf_generate(
                     self.target, x, self.max_new_tokens, t, 1000 * r + j, self.draft if k else None
                 )
                 tokens, secs = tokens + n, secs + dt
-            return tokens / secs
-        finally:
-            (
-                cfg.num_assistant_tokens,
-                cfg.num_assistant_tokens_schedule,
-                cfg.assistant_confidence_threshold,
-            ) = self._defaults
-            torch.set_num_threads(old_threads)
-            os.sched_setaffinity(0, old_cores)
+        return tokens / secs
 
 
 @dataclass

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import json
@@ -50,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -269,65 +271,80 @@ def hf_generate(target, ids, max_new_tokens: int, temperature: float, seed: int,
     return out.shape[1] - ids.shape[1], time.perf_counter() - t0
 
 
-def hf_benchmark(
-    tok, draft, target, plan: Plan, threads: int, cores: set[int] | None, packed: bool = False
-) -> dict:
-    """tok/s of plain and assisted generate() (fixed k, and its defaults) per temperature;
-    with ``packed``, both models' linear layers packed as the services pack them."""
-    old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
-    torch.set_num_threads(threads)
-    if cores:
-        os.sched_setaffinity(0, cores)
+@contextlib.contextmanager
+def assistant_k(draft, k: int | None) -> Iterator[None]:
+    """Assisted generation drafts a fixed k tokens a step with no confidence threshold
+    (k > 0), or with transformers' defaults (None, or k <= 0); the defaults after."""
+    cfg = draft.generation_config
+    defaults = (
+        cfg.num_assistant_tokens,
+        cfg.num_assistant_tokens_schedule,
+        cfg.assistant_confidence_threshold,
+    )
+    if k is not None and k > 0:
+        cfg.num_assistant_tokens = k
+        cfg.num_assistant_tokens_schedule = "constant"
+        cfg.assistant_confidence_threshold = 0.0
     try:
-        if packed:
-            for m in (draft, target):
-                packed_linear.pack_model(m)
-        ids = [tok(p, return_tensors="pt")["input_ids"] for p in plan.prompts]
-        cfg = draft.generation_config
-        defaults = (
-            cfg.num_assistant_tokens,
-            cfg.num_assistant_tokens_schedule,
-            cfg.assistant_confidence_threshold,
-        )
-        modes = [("plain", None)] + [(f"assisted{k}", k) for k in plan.hf_ks] + [("default", -1)]
-        configs = [(m, k, t) for t in TEMPERATURES for m, k in modes]
-        runs: dict[str, list[float]] = {f"{m}@{t:g}": [] for m, _, t in configs}
-        hf_generate(target, ids[0], 4, 0.0, 0, draft)
-        for r in range(plan.repeats):
-            for i in range(len(configs)):
-                m, k, t = configs[(i + r) % len(configs)]
-                if k is not None and k > 0:
-                    cfg.num_assistant_tokens = k
-                    cfg.num_assistant_tokens_schedule = "constant"
-                    cfg.assistant_confidence_threshold = 0.0
-                else:
-                    (
-                        cfg.num_assistant_tokens,
-                        cfg.num_assistant_tokens_schedule,
-                        cfg.assistant_confidence_threshold,
-                    ) = defaults
-                tokens = secs = 0.0
-                for j, x in enumerate(ids):
-                    n, dt = hf_generate(
-                        target,
-                        x,
-                        plan.max_new_tokens,
-                        t,
-                        1000 * r + j,
-                        assistant=None if k is None else draft,
-                    )
-                    tokens, secs = tokens + n, secs + dt
-                runs[f"{m}@{t:g}"].append(tokens / secs)
+        yield
+    finally:
         (
             cfg.num_assistant_tokens,
             cfg.num_assistant_tokens_schedule,
             cfg.assistant_confidence_threshold,
         ) = defaults
+
+
+@contextlib.contextmanager
+def torch_on(threads: int, cores: set[int] | None) -> Iterator[None]:
+    """This process with ``threads`` torch threads on ``cores`` (None: where it is);
+    both as they were after."""
+    old_threads, old_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    torch.set_num_threads(threads)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
     finally:
-        for m in (draft, target):
-            packed_linear.uninstall(m)
         torch.set_num_threads(old_threads)
         os.sched_setaffinity(0, old_cores)
+
+
+def hf_benchmark(
+    tok, draft, target, plan: Plan, threads: int, cores: set[int] | None, packed: bool = False
+) -> dict:
+    """tok/s of plain and assisted generate() (fixed k, and its defaults) per temperature;
+    with ``packed``, both models' linear layers packed as the services pack them."""
+    with torch_on(threads, cores):
+        try:
+            if packed:
+                for m in (draft, target):
+                    packed_linear.pack_model(m)
+            ids = [tok(p, return_tensors="pt")["input_ids"] for p in plan.prompts]
+            modes = [("plain", None)] + [(f"assisted{k}", k) for k in plan.hf_ks]
+            modes.append(("default", -1))
+            configs = [(m, k, t) for t in TEMPERATURES for m, k in modes]
+            runs: dict[str, list[float]] = {f"{m}@{t:g}": [] for m, _, t in configs}
+            hf_generate(target, ids[0], 4, 0.0, 0, draft)
+            for r in range(plan.repeats):
+                for i in range(len(configs)):
+                    m, k, t = configs[(i + r) % len(configs)]
+                    tokens = secs = 0.0
+                    with assistant_k(draft, k):
+                        for j, x in enumerate(ids):
+                            n, dt = hf_generate(
+                                target,
+                                x,
+                                plan.max_new_tokens,
+                                t,
+                                1000 * r + j,
+                                assistant=None if k is None else draft,
+                            )
+                            tokens, secs = tokens + n, secs + dt
+                    runs[f"{m}@{t:g}"].append(tokens / secs)
+        finally:
+            for m in (draft, target):
+                packed_linear.uninstall(m)
     return {name: {"tok_s": median(v), "tok_s_runs": v} for name, v in runs.items()}
 
 
