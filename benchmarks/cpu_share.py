@@ -33,7 +33,15 @@ import statistics
 import time
 from pathlib import Path
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, finish, machine_info, start_services
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    finish,
+    machine_info,
+    rotated_rounds,
+    start_services,
+)
 from .plain_runs import MAX_NEW
 from .run import clients_round
 
@@ -149,10 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
             for m in args.modes:  # warm-up
                 clients_round(address, n, fields[m], PROMPTS, 1, MAX_NEW, 99)
-            for r in range(args.rounds):
-                order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
-                for m in order:
-                    rounds[m].append(one_round(address, pids, n, fields[m], r))
+            for r, m in rotated_rounds(args.modes, args.rounds):
+                rounds[m].append(one_round(address, pids, n, fields[m], r))
             result["runs"][str(n)] = {m: summary(rounds[m], cores) for m in args.modes}
             result.setdefault("rounds_raw", {})[str(n)] = rounds
             print(f"{n} clients done", flush=True)

@@ -28,7 +28,7 @@ import torch
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, finish, machine_info
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, finish, machine_info, rotated_rounds
 
 WAYS = ("sleep", "spin")
 TOKENS = {"draft": 1, "target": 5}
@@ -52,14 +52,13 @@ def measure(path: str, tokens: int, gaps_ms: list[float], passes: int) -> dict:
     runner.forward([Feed(kv, [(31 * i + 7) % runner.vocab_size for i in range(CONTEXT)], 1)])
     cells = [(way, g) for way in WAYS for g in gaps_ms]
     times: dict = {c: ([], []) for c in cells}
-    for r in range(passes):
-        for way, g in cells[r % len(cells) :] + cells[: r % len(cells)]:
-            _wait(way, g / 1e3)
-            for k in range(2):
-                t0 = time.perf_counter()
-                runner.forward([Feed(kv, [5 + k] * tokens, 1)])
-                times[(way, g)][k].append(1e3 * (time.perf_counter() - t0))
-            kv.truncate(CONTEXT)
+    for _, (way, g) in rotated_rounds(cells, passes):
+        _wait(way, g / 1e3)
+        for k in range(2):
+            t0 = time.perf_counter()
+            runner.forward([Feed(kv, [5 + k] * tokens, 1)])
+            times[(way, g)][k].append(1e3 * (time.perf_counter() - t0))
+        kv.truncate(CONTEXT)
     return {
         way: {
             f"{g:g}": {
