@@ -42,7 +42,7 @@ from .common import (
     rotated_rounds,
     start_services,
 )
-from .plain_runs import MAX_NEW
+from .plain_runs import MAX_NEW, side_by_side_header
 from .run import clients_round
 
 ROLES = ("draft", "target", "orchestrator", "client")
@@ -92,16 +92,15 @@ def summary(rounds: list[dict], cores: int) -> dict:
 
 
 def report(result: dict) -> str:
-    info = result["machine"]
-    lines = [
-        "# CPU time per generated token, by process",
-        "",
-        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
-        f"{info['cpu_cores']} cores; load average {info['load_average'][0]:.2f} at the "
-        f"start, {result['load_average_end'][0]:.2f} at the end. T={result['temperature']:g}, "
-        f"{REQUESTS} requests x {MAX_NEW} tokens per client and round, {result['rounds']} "
-        "rounds after a warm-up, medians; one torch thread per service, shared cores.",
-        "",
+    info = result["machine"] | {"load_average_end": result["load_average_end"]}
+    lines = side_by_side_header(
+        "CPU time per generated token, by process",
+        info,
+        f"T={result['temperature']:g}, {REQUESTS} requests x {MAX_NEW} tokens per client "
+        f"and round, {result['rounds']} rounds after a warm-up, medians; one torch thread "
+        "per service, shared cores.",
+    )
+    lines += [
         "| clients | mode | tok/s | cores busy | CPU ms/token: draft | target | orchestrator "
         "| client | all | ceiling: target thread | ceiling: stack |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

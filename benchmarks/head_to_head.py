@@ -47,7 +47,7 @@ from .common import (
     machine_info,
     start_services,
 )
-from .plain_runs import MAX_NEW, interleaved
+from .plain_runs import MAX_NEW, interleaved, side_by_side_header
 from .report import held_out_best, held_out_picks
 from .run import (
     TARGET_CORE,
@@ -178,15 +178,14 @@ def _row(name: str, goal: float | None, ratios: list[float], picks=None) -> dict
 
 
 def report(result: dict) -> str:
-    info = result["machine"]
-    lines = [
-        "# Head to head with transformers, round by round",
-        "",
-        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
-        f"{info['cpu_cores']} cores; load average {info['load_average'][0]:.2f} at the "
-        f"start, {result['load_average_end'][0]:.2f} at the end. {result['rounds']} rounds "
-        "after a warm-up, configurations rotating; 8 prompts x 64 tokens; medians.",
-        "",
+    info = result["machine"] | {"load_average_end": result["load_average_end"]}
+    lines = side_by_side_header(
+        "Head to head with transformers, round by round",
+        info,
+        f"{result['rounds']} rounds after a warm-up, configurations rotating; 8 prompts x "
+        "64 tokens; medians.",
+    )
+    lines += [
         "| criterion | goal | median of per-round ratios | rounds | met in rounds |",
         "|---|---|---|---|---|",
     ]

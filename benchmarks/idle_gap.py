@@ -29,6 +29,7 @@ from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, finish, machine_info, rotated_rounds
+from .plain_runs import side_by_side_header
 
 WAYS = ("sleep", "spin")
 TOKENS = {"draft": 1, "target": 5}
@@ -72,16 +73,13 @@ def measure(path: str, tokens: int, gaps_ms: list[float], passes: int) -> dict:
 
 
 def report(result: dict) -> str:
-    info = result["machine"]
-    lines = [
-        "# The first pass after an idle gap",
-        "",
-        f"{info['date']}, commit {info['git_commit']}, {info['cpu_model']}, "
-        f"{info['cpu_cores']} cores; load average {info['load_average'][0]:.2f} at the "
-        f"start, {result['load_average_end'][0]:.2f} at the end. One thread, "
-        f"{result['passes']} rounds, medians (ms); second = the pass right after the first.",
-        "",
-    ]
+    info = result["machine"] | {"load_average_end": result["load_average_end"]}
+    lines = side_by_side_header(
+        "The first pass after an idle gap",
+        info,
+        f"One thread, {result['passes']} rounds, medians (ms); second = the pass right "
+        "after the first.",
+    )
     for role, ways in result["models"].items():
         gaps = list(next(iter(ways.values())))
         lines += [
