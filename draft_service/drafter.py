@@ -141,6 +141,9 @@ class DraftState:
     last: Drafted | None = None
     # By the ask (cache_len, feed) that would take them: blocks for rejections.
     guesses: dict[tuple[int, tuple[int, ...]], Guess] = field(default_factory=dict)
+    # A pipeline pacing the session's steps (``draft_service.pipeline``): stopped by
+    # the caller's next call on the session.
+    pipeline: asyncio.Task | None = None
 
 
 class Drafter(ModelService):
@@ -150,6 +153,8 @@ class Drafter(ModelService):
         super().__init__("draft", cfg, model, tokenizer)
         for outcome in ("used", "discarded", "skipped"):  # 0 on dashboards, not nothing
             metrics.DRAFTED_ON.labels(outcome)
+        for kind in ("first", "follower", "fresh"):
+            metrics.PIPELINE_BLOCKS.labels(kind)
 
     async def open_draft(
         self, session_id: str, tokens, params: SamplingParams, shape: WireShape
@@ -176,6 +181,7 @@ class Drafter(ModelService):
         self.check_room("gamma", cache_len + len(feed) + gamma)
         start = time.perf_counter()
         state: DraftState = session.extra
+        await self.stop_pipeline(session)
         state.proposes += 1
         ask = (cache_len, tuple(feed))
         moot, state.moot = state.moot, None
@@ -483,8 +489,27 @@ class Drafter(ModelService):
         self.roll_back_to(session, fed + gamma - 1)
         proposal.cache_len = session.length
 
+    # ---- pipelined speculation ----------------------------------------------------------
+    def start_pipeline(self, session: Session, pipeline) -> None:
+        """Let ``pipeline`` (``draft_service.pipeline.Pipeline``) pace the session's
+        steps; its first block is the last propose's, already relayed."""
+        state: DraftState = session.extra
+        state.last = state.asked = state.moot = None  # the pipeline moves the cache on
+        state.pipeline = asyncio.ensure_future(pipeline.run())
+        state.pipeline.add_done_callback(_consume)
+        metrics.PIPELINE_BLOCKS.labels("first").inc()
+
+    async def stop_pipeline(self, session: Session) -> None:
+        """Stop the session's pipeline, if any, after its current forward."""
+        state: DraftState = session.extra
+        task, state.pipeline = state.pipeline, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+
     async def rollback_draft(self, session: Session, cache_len: int) -> int:
         """``rollback``, after the session's head start (discarded)."""
+        await self.stop_pipeline(session)
         session.extra.proposes += 1
         session.extra.moot = None
         self.drop_guesses(session)
@@ -498,6 +523,9 @@ class Drafter(ModelService):
             session.extra.head = None
         if isinstance(session.extra, DraftState):
             self.drop_guesses(session)
+            if session.extra.pipeline is not None:
+                session.extra.pipeline.cancel()
+                session.extra.pipeline = None
         return super().close(session)
 
 

@@ -18,6 +18,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from specdec.wire import DEFAULT_Q_BITS, WireShape, info_to_pb, pack_q, params_from_pb
 
 from .drafter import Drafter
+from .pipeline import Pipeline
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -56,7 +57,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if kind == "propose":
             tracing.mark("propose")
             p = m.propose
-            draft_on = p.HasField("relay") and p.relay.target and p.relay.HasField("draft_on")
+            piped = p.HasField("pipeline") and p.HasField("relay") and bool(p.relay.target)
+            if piped:
+                self._check_pipeline(p)
+            draft_on = not piped and p.HasField("relay") and p.relay.target
+            draft_on = draft_on and p.relay.HasField("draft_on")
             if draft_on:
                 self._check_draft_on(p)
             # A sampled step that drafts ahead: its verify's residual draws are guessed,
@@ -87,12 +92,31 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 verify.draft_q.CopyFrom(q)
                 if guesses:
                     verify.guess_tokens[:] = guesses
-                on_verdict = None
+                on_verdict = pipe = None
                 if draft_on:
                     on_verdict = self._draft_on(session, p, proposal.tokens)
+                elif piped:
+                    pipe = Pipeline(
+                        self.svc,
+                        session,
+                        self.relay_client(),
+                        p.relay.target,
+                        p.relay.relay_token,
+                        p.pipeline.key,
+                        p.gamma,
+                        p.pipeline.depth,
+                        verify.return_pit,
+                    )
+                    t = Cursor(verify.cache_len, tuple(verify.pending_tokens))
+                    d = Cursor(p.cache_len, tuple(p.append_tokens))
+                    first = pipe.first(d, t, proposal.tokens, p.pipeline.tokens)
+                    on_verdict, verify.seed = first.echo, first.seed
+                    verify.pipeline = p.pipeline.key
                 relayed, relay_bytes = await self.relay_client().send(
                     p.relay.target, request, on_verdict
                 )
+                if relayed and pipe is not None:
+                    self.svc.start_pipeline(session, pipe)
                 tracing.mark("relayed")
             out = draft_pb2.Proposal(
                 tokens=proposal.tokens,
@@ -138,6 +162,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.svc.draft_on(live, proposes, cursor, drafts, verdict, u, gamma, seed, ahead)
 
         return on_verdict
+
+    @staticmethod
+    def _check_pipeline(p: draft_pb2.Propose) -> None:
+        pipe = p.pipeline
+        require(pipe.key != 0, "pipeline.key", "must be a nonzero 64-bit key")
+        require(
+            pipe.tokens >= p.gamma + 1,
+            "pipeline.tokens",
+            f"must be at least gamma + 1 ({p.gamma + 1}), got {pipe.tokens}",
+        )
+        require(1 <= pipe.depth <= 4, "pipeline.depth", f"must be in [1, 4], got {pipe.depth}")
+        require(not p.guess_residuals, "pipeline", "a pipelined propose takes no guess_residuals")
 
     @staticmethod
     def _check_draft_on(p: draft_pb2.Propose) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import specdec
 from specdec import metrics, tracing
 from specdec.config import MAX_GAMMA, Config
-from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from specdec.errors import FailedPrecondition, Internal, ResourceExhausted, Unavailable
 from specdec.rng import generator, seeds
 from specdec.runtime.loading import ModelInfo, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import Proposal
@@ -33,11 +33,11 @@ from specdec.wire import PROTOCOL_VERSION, WireShape, drop_first
 
 from .adaptive import CostModel, PeakLoad, RequestPolicy
 from .monitor import ExactnessMonitor, emitted_terms
-from .ports import DraftOn
+from .ports import DraftOn, PipelineSpec
 from .replicas import ReplicaPool
 from .requests import RequestSpec
 from .resilience import Budget, DraftLink, TargetLink
-from .step import ahead, settle
+from .step import Cursor, ahead, pipeline_draws, pipeline_gamma, settle
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,24 @@ class Stats:
     mean_gamma: float = 0.0
     overlapped_steps: int = 0
     fallback_reasons: set = field(default_factory=set)
+
+
+@dataclass
+class Piped:
+    """A pipeline the request follows (``Generation.follow``): its key and gamma, the
+    step whose verdict comes next, and which of that step's draws it may carry:
+    those of a block that follows one accepted in full (True) or of one drafted
+    after a rejection (False). Both, after a greedy step that accepted every draft:
+    its follower is used only if the bonus is its first token, which this engine
+    learns from the next verdict's seed (``matched``: what the draft cursor becomes
+    then)."""
+
+    key: int
+    gamma: int
+    pit: bool
+    index: int = 0
+    follows: tuple[bool, ...] = (False,)
+    matched: Cursor | None = None
 
 
 class Orchestrator:
@@ -361,6 +379,7 @@ class Generation:
         # its head start is then what the next propose asks for (``choose_next``).
         self.next_choice: tuple[int, bool] | None = None
         self.ahead: Proposal | None = None  # the next draft, drafted during the last verify
+        self.pipe: Piped | None = None  # the pipeline this request follows, if any
         self.gammas: collections.Counter = collections.Counter()
         self.text = TextStream(orch.tokenizer, spec.stops, spec.prompt)
         self.eos = set(orch.target_info.eos_token_ids)
@@ -428,6 +447,8 @@ class Generation:
         when its first token is the bonus (``ahead_first``). Otherwise it is
         discarded and the draft rolls back in its next call.
         """
+        if self.pipe is not None:
+            return await self.follow()
         tracing.mark("step")
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
@@ -464,6 +485,15 @@ class Generation:
                     # leaves that block unused (``DraftOn.ahead``). Not with rollbacks
                     # between steps, nor in what may be the last step.
                     wait = self.o.explicit_rollback or remaining <= gamma + 1
+                    if relay is not None and overlap and self.pipelines(remaining, gamma):
+                        # The draft paces the steps from here (``follow``).
+                        key = seeds(self.rng)[0] or 1
+                        draft_seed, target_seed, _ = pipeline_draws(key, 0, False, 0)
+                        relay = self.target.relay_to(target_seed, pit)
+                        spec = PipelineSpec(key, remaining, self.o.pipeline_depth)
+                        relay = dataclasses.replace(relay, pipeline=spec)
+                        self.pipe = Piped(key, gamma, pit)
+                        wait = True
                     wait = wait or (overlap and not self.o.draft_on_ahead)
                     if relay is not None and self.o.draft_on and not wait:
                         next_gamma = self.choose_next(remaining - gamma - 1, gamma)
@@ -473,10 +503,15 @@ class Generation:
                 tracing.mark("propose")
                 # A sampled step that drafts ahead has its residual draws guessed
                 # (draft.sampled_guesses), relayed or not: the same seed, the same draws.
-                guess = overlap and not self.spec.params.greedy
+                guess = overlap and not self.spec.params.greedy and self.pipe is None
                 proposal = await self.draft.propose(gamma, draft_seed, relay=relay, guess=guess)
                 tracing.mark("proposed")
                 relayed = proposal is not None and proposal.relayed
+                if self.pipe is not None:
+                    if relayed:  # its verdict, and those of the steps after it, will come
+                        metrics.RELAYED_STEPS.labels("relayed").inc()
+                        return await self.follow(t0)
+                    self.stop_pipeline()
                 if relay is not None:
                     metrics.RELAYED_STEPS.labels("relayed" if relayed else "not_relayed").inc()
                     if not relayed:
@@ -561,6 +596,111 @@ class Generation:
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
+        tracing.mark("settled")
+        return outcome.tokens
+
+    # ---- pipelined speculation -------------------------------------------------------
+    def pipelines(self, remaining: int, gamma: int) -> bool:
+        """Whether this overlapped step starts a pipeline (``orchestrator.pipeline``):
+        at light load (a pipeline takes the draft's and the target's time without
+        asking), with tokens for more than one step, and with neither rollbacks
+        between steps nor dense diagnostics."""
+        o = self.o
+        return (
+            o.pipeline
+            and not o.explicit_rollback
+            and not self.spec.dense
+            and self.pipeline_pays()
+            and remaining > gamma + 1
+        )
+
+    def pipeline_pays(self) -> bool:
+        """At light load (``pipeline_max_requests``; 0: at any)."""
+        limit = self.o.pipeline_max_requests
+        return limit == 0 or self.orch.load() <= limit
+
+    def stop_pipeline(self) -> None:
+        """Stop following: the rest of the pipeline's blocks are refused (the target
+        drops those that no longer follow its last verify in any case), and the
+        draft stops at this request's next call."""
+        pipe, self.pipe = self.pipe, None
+        if pipe is None:
+            return
+        self.target.cancel_relay(pipe.key)
+        c = self.target.cursor
+        if not c.pending:  # p for the next position was kept by a pass since redone
+            self.target.cursor = Cursor(c.cache_len - 1, (self.history[c.cache_len - 1],))
+
+    async def follow(self, t0: float | None = None) -> list[int]:
+        """One pipelined step: its verdict comes unasked; settle it as the draft and
+        the target do (``step.pipeline_draws``, ``step.pipeline_gamma``). ``t0``: when
+        the step started (the pipeline's first: its propose)."""
+        pipe = self.pipe
+        t0 = time.perf_counter() if t0 is None else t0
+        remaining = self.spec.max_new_tokens - self.pushed
+        if pipe.index and not self.pipeline_pays():  # others generate: steps as asked
+            self.stop_pipeline()
+            return await self.step()
+        tracing.mark("follow")
+        expected = {pipeline_draws(pipe.key, pipe.index, f, 0)[1]: f for f in pipe.follows}
+        seed = fallback_seed(next(iter(expected)))  # (a plain step's, if the pipeline is lost)
+        try:
+            verdict = await self.target.verify(None, seed, False, pipe.pit, follow=(*expected,))
+        except BaseException:
+            self.stop_pipeline()
+            raise
+        t1 = time.perf_counter()
+        match = self.spec.params.greedy
+        if verdict.drafts_dropped:  # lost with its relay: a plain step on a new session
+            self.pipe = None
+            drafts, u, nxt, follows = [], [], 0, False
+        else:
+            follows = expected[verdict.seed]
+            if follows and pipe.matched is not None:  # the greedy block before matched
+                self.draft.cursor = pipe.matched
+            drafts = verdict.drafts
+            u = pipeline_draws(pipe.key, pipe.index, follows, len(drafts))[2]
+            nxt = pipeline_gamma(remaining - len(drafts) - match, pipe.gamma, match)
+            if verdict.cache_len != self.target.cursor.end + len(drafts):
+                self.stop_pipeline()
+                raise Internal(
+                    f"pipeline: a verdict at cache length {verdict.cache_len}, expected "
+                    f"{self.target.cursor.end + len(drafts)}"
+                )
+        draft_before = self.draft.cursor if self.draft is not None else None
+        outcome = settle(
+            self.target.cursor, draft_before, drafts, verdict, u, chain=bool(nxt) and not match
+        )
+        self.target.cursor = outcome.target
+        if self.draft is not None:
+            self.draft.cursor = outcome.draft
+        if verdict.mass_above:
+            self.orch.monitor.observe(
+                *emitted_terms(
+                    verdict.mass_above, verdict.p_at, len(drafts), outcome.accepted, outcome.bonus
+                )
+            )
+        self.history.extend(outcome.tokens)
+        if self.pipe is not None:
+            left = remaining - len(outcome.tokens)
+            pipe.index += 1
+            pipe.matched = None
+            if outcome.chained:
+                pipe.follows = (True,)
+            elif match and drafts and outcome.accepted == len(drafts) and nxt:
+                pipe.follows = (True, False)
+                pipe.matched = Cursor(draft_before.end + len(drafts), (verdict.bonus_token,))
+            else:
+                pipe.follows = (False,)
+            if follows:  # this block was drafted while the one before was verified
+                self.stats.overlapped_steps += 1
+                metrics.OVERLAPPED_STEPS.labels("used").inc()
+            if not pipeline_gamma(left, pipe.gamma):  # the pipeline drafts no more
+                self.pipe = None
+        t2 = time.perf_counter()
+        self.observe(None, verdict, 0.0, t1 - t0, relayed=True)
+        self.policy.observe(len(drafts), outcome.accepted)
+        self.record_step(len(drafts), outcome.accepted, 0.0, t1 - t0, 0.0, t2 - t0)
         tracing.mark("settled")
         return outcome.tokens
 

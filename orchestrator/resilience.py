@@ -332,16 +332,18 @@ class TargetLink(_Link):
         dense_p: bool,
         pit: bool = False,
         run: int = 1,
+        follow: tuple[int, ...] = (),
     ) -> Verdict:
         """The verdict on ``proposal`` from ``self.cursor`` (or a plain run of ``run``
         tokens), riding out restarts. A relayed proposal's q went to the target
         only: if that target fails before its verdict, the step decodes plain on the
-        session that replaces it (``Verdict.drafts_dropped``)."""
+        session that replaces it (``Verdict.drafts_dropped``). ``follow``: a
+        pipeline's next verdict (``TargetSession.verify``), relayed in the same way."""
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
         dropped = False
         while True:
-            relayed = proposal is not None and proposal.relayed
+            relayed = bool(follow) or (proposal is not None and proposal.relayed)
             try:
                 if self.session is None:
                     await self._open()
@@ -349,7 +351,7 @@ class TargetLink(_Link):
                 if relayed:
                     timeout = min(timeout, self.relay_timeout_s)
                 verdict = await self.session.verify(
-                    self.cursor, proposal, seed, dense_p, timeout, pit, run
+                    self.cursor, proposal, seed, dense_p, timeout, pit, run, follow
                 )
                 self.replica.breaker.success()
                 verdict.drafts_dropped = dropped
@@ -394,7 +396,7 @@ class TargetLink(_Link):
             except (InvalidArgument, Internal):
                 raise  # this request's own failure: no retry, no breaker
             if relayed:  # its q went only to that target: this step decodes plain
-                proposal, run, dropped = None, 1, True
+                proposal, run, dropped, follow = None, 1, True, ()
                 metrics.RELAYED_STEPS.labels("lost").inc()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdec.config import MAX_GAMMA
+from specdec.rng import Philox
 from specdec.sampling import Verdict, accepted_count, step_tokens
 
 
@@ -124,3 +126,38 @@ def settle(
     else:  # the draft saw nothing this step
         new_draft = Cursor(draft.cache_len, draft.pending + tuple(emitted))
     return StepOutcome(emitted, gamma, n, new_target, new_draft, chained=matched)
+
+
+# ---- pipelined speculation ------------------------------------------------------------
+# The draft service paces the steps (``draft_service.pipeline``), the target runs a
+# block that follows one accepted in full without being asked (``Verify.chain``), and
+# the engine settles the verdicts as they come (``Engine.follow``). All three agree
+# on every step's draws and on which blocks exist from these two functions alone.
+
+
+def pipeline_draws(key: int, index: int, follows: bool, n: int) -> tuple[int, int, list[float]]:
+    """Step ``index``'s draws in the pipeline keyed by ``key``: the draft's seed, the
+    verify's seed and the n uniforms of its acceptance test. The block that follows
+    a block accepted in full (``follows``) and the one drafted after a rejection
+    instead have streams of their own; at most one of the two is ever verified, and
+    which one depends only on the step before, never on these draws."""
+    rng = Philox(key, jumps=2 + 2 * index + int(follows))
+    return rng.next64(), rng.next64(), rng.random(n)
+
+
+def pipeline_gamma(left: int, gamma: int, match: bool = False) -> int:
+    """Drafts of the next pipelined block when ``left`` tokens are still wanted
+    before it (0: the pipeline drafts no more). ``match``: a greedy block that
+    follows another is drafted one token longer (its first token is the bonus)."""
+    return max(0, min(gamma, left - 1, MAX_GAMMA - int(match)))
+
+
+def follows_in_full(target_end: int, drafts: int, verdict: Verdict, u, match: bool, first: int):
+    """The cursor a block that follows this step's starts from if every one of its
+    ``drafts`` is accepted (with ``match``, and the bonus is ``first``), else None:
+    the target's test of ``Verify.chain``, the same as ``settle``'s."""
+    if not drafts or accepted_count(verdict.p_draft, verdict.q_draft, u) != drafts:
+        return None
+    if match:
+        return Cursor(target_end + drafts, (first,)) if verdict.bonus_token == first else None
+    return Cursor(target_end + drafts, ())

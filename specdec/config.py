@@ -253,6 +253,21 @@ class OrchestratorConfig:
     # block drafted ahead unused (DraftOn.ahead). The draft then drafts two blocks in
     # a row, which costs where it shares a core with the orchestrator.
     draft_on_ahead: bool = True
+    # Pipelined speculation: in steps that draft ahead, the draft paces the steps
+    # itself, relaying each block it drafts ahead marked to run only if the block
+    # before it is accepted in full, and the target runs it without waiting for
+    # this orchestrator, which follows the verdicts (Pipeline in
+    # protos/specdec/v1/draft.proto; docs/exactness.md, 4g). Takes the
+    # orchestrator's round trip off every step; with a relay, not with
+    # explicit_rollback.
+    pipeline: bool = False
+    # ... drafting at most this many blocks ahead of the one being verified (1-4).
+    pipeline_depth: int = 2
+    # ... while at most this many requests generate at once (the orchestrator's
+    # load; 0: at any load). A pipeline takes the draft's and the target's time
+    # without being asked; above this load it stops and the request's steps are
+    # asked for again.
+    pipeline_max_requests: int = 1
     # Tokenizer for text prompts; empty uses the target's model directory.
     tokenizer: str = ""
     # Seconds to wait at start-up for draft and target to answer Info.
@@ -329,6 +344,7 @@ _POSITIVE = {
     "target_timeout_s",
     "relay_timeout_s",
     "relay_send_timeout_s",
+    "pipeline_depth",
     "max_message_bytes",
     "max_batch_tokens",
     "monitor_window",
@@ -341,6 +357,7 @@ _NON_NEGATIVE = {
     "metrics_port",
     "gamma",
     "relay_max_requests",
+    "pipeline_max_requests",
     "wire_top_k",
     "adaptive_explore_tokens",
     "adaptive_overlap_max_requests",
@@ -454,6 +471,10 @@ def _validate(cfg: Config) -> None:
     if not 0.0 <= orch.monitor_fraction <= 1.0:
         raise ConfigError(
             f"orchestrator.monitor_fraction: must be in [0, 1], got {orch.monitor_fraction}"
+        )
+    if orch.pipeline_depth > 4:
+        raise ConfigError(
+            f"orchestrator.pipeline_depth: must be in [1, 4], got {orch.pipeline_depth}"
         )
     if not 0.0 <= orch.wire_eps < 0.5:
         raise ConfigError(f"orchestrator.wire_eps: must be in [0, 0.5), got {orch.wire_eps}")

@@ -247,6 +247,15 @@ SESSION_EVICTIONS = Counter(
     ["role", "reason"],
     registry=None,
 )
+PIPELINE_BLOCKS = Counter(
+    "specdec_model_pipeline_blocks_total",
+    "Blocks a draft service relayed while pacing a pipeline (draft_service.pipeline): "
+    "first (the propose that started it), follower (drafted ahead of the block being "
+    "verified, run only if that one is accepted in full) or fresh (drafted after a "
+    "rejection).",
+    ["kind"],
+    registry=None,
+)
 DRAFTED_ON = Counter(
     "specdec_model_drafted_on_total",
     "Drafts started on a verdict the target echoed, before their propose came: used "
@@ -375,6 +384,7 @@ _MODEL_METRICS = (
     SESSION_EVICTIONS,
     RELAY_REFUSALS,
     DRAFTED_ON,
+    PIPELINE_BLOCKS,
     DRAFT_GUESSES,
     RESIDUAL_GUESSES,
     BATCH_SESSIONS,

@@ -758,6 +758,9 @@ class Verdict:
     # A relayed verify was lost with its target replica, so this is a plain step's
     # verdict instead: the drafts were never judged (``orchestrator.resilience``).
     drafts_dropped: bool = False
+    # A pipelined verify's (``Verify.pipeline``): the drafts it judged, and its seed.
+    drafts: list[int] | None = None
+    seed: int = 0
 
 
 def verify_draft(

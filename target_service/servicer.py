@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import dataclass
 
+from orchestrator.step import Cursor, follows_in_full
 from specdec import tracing
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
+from specdec.sampling import Verdict
 from specdec.transport.relay import RelayInboxes
 from specdec.transport.server import RunningServer, start_server
 from specdec.transport.session_stream import session_stream
@@ -45,7 +48,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     tracing.mark("relay")
                     request = target_pb2.TargetRequest(verify=m.verify)
                     back = functools.partial(echo, m.tag) if m.echo else None
-                    reason = self.inboxes.deliver(m.relay_token, request, m.verify.seed, back)
+                    ids = (m.verify.seed, m.verify.pipeline)
+                    reason = self.inboxes.deliver(m.relay_token, request, ids, back)
                     if reason:
                         acks.put_nowait(
                             target_pb2.RelayAck(tag=m.tag, accepted=False, reason=reason)
@@ -73,16 +77,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if kind == "verify":
             tracing.mark("verify")
             v = m.verify
-            pending, drafts = self.svc.check_verify(
-                session, v.cache_len, v.pending_tokens, v.draft_tokens
-            )
+            cache_len, pending = v.cache_len, v.pending_tokens
+            if v.HasField("chain"):  # a pipelined block: only right after its block
+                cursor = _follows(session.extra.verify, v.chain, cache_len, pending)
+                if cursor is None:
+                    return None  # dropped: the draft learns why from the verdict before
+                cache_len, pending = cursor.cache_len, cursor.pending
+            pending, drafts = self.svc.check_verify(session, cache_len, pending, v.draft_tokens)
             qs = unpack_q(
                 v.draft_q, self.svc.vocab_size, drafts, head=self.svc.head, params=session.params
             )
             tracing.mark("unpacked")
             verdict = await self.svc.verify(
                 session,
-                v.cache_len,
+                cache_len,
                 pending,
                 drafts,
                 qs,
@@ -109,9 +117,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 out.p_at.extend(verdict.p_at)
             if verdict.p is not None:
                 out.dense_p.extend(verdict.p.flatten().tolist())
+            if v.pipeline:
+                out.draft_tokens.extend(drafts)
+            # What a pipelined block that follows this verify is judged on.
+            session.extra.verify = _Last(v.seed, cache_len + len(pending), len(drafts), out)
             tracing.mark("reply")
             return target_pb2.TargetReply(verdict=out)
         if kind == "rollback":
+            session.extra.verify = None  # no pipelined block follows across a rollback
             removed = self.svc.rollback(session, m.rollback.cache_len)
             return target_pb2.TargetReply(
                 rolled_back=common_pb2.RolledBack(cache_len=session.length, removed=removed)
@@ -120,6 +133,32 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Info(self, request, context):
         return info_to_pb(self.svc.info)
+
+
+@dataclass(frozen=True)
+class _Last:
+    """A session's last verify: its seed, the end of the cursor it ran from, its
+    drafts and its verdict as sent (the values its caller judges)."""
+
+    seed: int
+    end: int
+    drafts: int
+    verdict: target_pb2.Verdict
+
+
+def _follows(last: _Last | None, chain: target_pb2.Chain, cache_len: int, pending):
+    """The cursor a pipelined block starts from, or None if it does not follow."""
+    if last is None or last.seed != chain.after_seed:
+        return None
+    if chain.after_rejection:
+        return Cursor(cache_len, tuple(pending))
+    if len(chain.uniforms) != last.drafts:
+        return None
+    v = last.verdict
+    judged = Verdict(list(v.p_draft), list(v.q_draft), [], v.bonus_token)
+    return follows_in_full(
+        last.end, last.drafts, judged, list(chain.uniforms), chain.match, chain.first_token
+    )
 
 
 async def serve(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,9 @@ class LastLogits:
 
     rows: torch.Tensor | None = None  # [n, vocab]; the last row is the one kept
     length: int = -1  # the cache length they follow
+    # The session's last verify, as a pipelined block that follows it is judged
+    # (``target_service.servicer``).
+    verify: Any = None
 
 
 class Verifier(ModelService):

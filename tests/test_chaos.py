@@ -85,7 +85,7 @@ class FakeSession:
     def __init__(self, port: FakeTarget) -> None:
         self.port = port
 
-    async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1):
+    async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1, follow=()):
         if not self.port.up:
             raise Unavailable(f"target: {self.port.address} is down")
         return Verdict([], [], [], 1, cache_len=cursor.end)

@@ -27,14 +27,14 @@ def test_an_inbox_takes_its_own_relays_and_refuses_cancelled_or_unknown_ones():
     async def go():
         inboxes = RelayInboxes()
         inbox = inboxes.open()
-        assert inboxes.deliver(inbox.token, "verify", seed=1) == ""
+        assert inboxes.deliver(inbox.token, "verify", (1, 0)) == ""
         assert inbox.queue.get_nowait() == "verify"
-        assert "no session" in inboxes.deliver(b"x" * 16, "verify", seed=1)
+        assert "no session" in inboxes.deliver(b"x" * 16, "verify", (1, 0))
         inbox.cancel([7])
-        assert "cancelled" in inboxes.deliver(inbox.token, "verify", seed=7)
+        assert "cancelled" in inboxes.deliver(inbox.token, "verify", (7, 0))
         assert inbox.queue.empty()
         inboxes.close(inbox)
-        assert "no session" in inboxes.deliver(inbox.token, "verify", seed=2)
+        assert "no session" in inboxes.deliver(inbox.token, "verify", (2, 0))
         assert len(inboxes) == 0
 
     asyncio.run(go())
@@ -233,7 +233,7 @@ class _LostRelaySession:
     def cancel_relay(self, seed: int) -> None:
         self.cancelled.append(seed)
 
-    async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1):
+    async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1, follow=()):
         if proposal is not None and proposal.relayed:
             await asyncio.sleep(timeout)
             raise DeadlineExceeded(f"target: no answer within {timeout:.3g} s")

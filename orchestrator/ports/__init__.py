@@ -46,6 +46,18 @@ class DraftOn:
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """The draft paces the steps after this one itself (pipelined speculation,
+    ``Pipeline`` in protos/specdec/v1/draft.proto): every step's draws come from
+    ``key`` (``step.pipeline_draws``); ``tokens``: still wanted before this step;
+    ``depth``: blocks drafted ahead of the one being verified, at most."""
+
+    key: int
+    tokens: int
+    depth: int
+
+
+@dataclass(frozen=True)
 class RelayTo:
     """Where a draft sends its proposal straight on (relay), and the rest of the
     verify: the target session's replica and token, its cursor, the verify's seed."""
@@ -56,6 +68,7 @@ class RelayTo:
     seed: int
     pit: bool = False
     draft_on: DraftOn | None = None
+    pipeline: PipelineSpec | None = None
 
 
 class DraftSession(Protocol):
@@ -96,9 +109,12 @@ class TargetSession(Protocol):
         timeout: float | None,
         pit: bool = False,
         run: int = 1,
+        follow: tuple[int, ...] = (),
     ) -> Verdict:
         """The verdict on ``proposal`` (for a relayed one: the verdict the relay
-        produces, with nothing sent from here)."""
+        produces, with nothing sent from here). ``follow``: the next verdict of a
+        pipeline, with one of these seeds, nothing sent (``proposal`` is None;
+        ``Verdict.drafts`` says what it judged)."""
         ...
 
     @property

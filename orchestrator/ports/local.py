@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Sequence
 
 from draft_service.drafter import Drafter
-from specdec.errors import DeadlineExceeded
+from specdec.errors import DeadlineExceeded, FailedPrecondition
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import Proposal, SamplingParams, Verdict
 from specdec.sessions import Session
@@ -78,7 +78,10 @@ class LocalTargetSession:
         timeout: float | None = None,
         pit: bool = False,
         run: int = 1,
+        follow: tuple[int, ...] = (),
     ) -> Verdict:
+        if follow:  # (relay_token is empty: no pipeline starts in one process)
+            raise FailedPrecondition("follow: an in-process target session takes no relays")
         drafts = proposal.tokens if proposal else []
         qs = []
         if proposal is not None:

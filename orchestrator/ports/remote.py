@@ -101,6 +101,10 @@ class RemoteDraftSession:
                 on.uniforms[:] = relay.draft_on.uniforms
                 on.gamma, on.seed = relay.draft_on.gamma, relay.draft_on.seed
                 on.ahead = relay.draft_on.ahead
+            if relay.pipeline is not None:
+                pipe = propose.pipeline
+                pipe.key, pipe.tokens = relay.pipeline.key, relay.pipeline.tokens
+                pipe.depth = relay.pipeline.depth
         p = (await self.stream.ask(draft_pb2.DraftRequest(propose=propose), timeout)).proposal
         if len(p.tokens) != gamma and not (ahead and not p.tokens):
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
@@ -146,7 +150,10 @@ class RemoteTargetSession:
         timeout: float | None,
         pit: bool = False,
         run: int = 1,
+        follow: tuple[int, ...] = (),
     ) -> Verdict:
+        if follow:
+            return await self._follow(follow, timeout, pit)
         v = target_pb2.Verify(
             cache_len=cursor.cache_len,
             pending_tokens=cursor.pending,
@@ -177,20 +184,18 @@ class RemoteTargetSession:
         drafted = len(proposal.tokens) if proposal is not None else 0
         if len(r.p_draft) != drafted:  # never taken for another step's answer
             raise Unavailable(f"target: a verdict on {len(r.p_draft)} drafts, not {drafted}")
-        return Verdict(
-            p_draft=list(r.p_draft),
-            q_draft=list(r.q_draft),
-            residual_tokens=list(r.residual_tokens),
-            bonus_token=r.bonus_token,
-            cache_len=r.cache_len,
-            compute_s=r.compute_s,
-            forward_s=r.forward_s,
-            batch_tokens=r.batch_tokens,
-            mass_above=list(r.mass_above) if pit else None,
-            p_at=list(r.p_at) if pit else None,
-            p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
-            run_tokens=list(r.run_tokens),
-        )
+        return _verdict(r, pit)
+
+    async def _follow(self, seeds: tuple[int, ...], timeout: float | None, pit: bool) -> Verdict:
+        """A pipeline's next verdict: nothing is sent; any other seed's is stale."""
+
+        def stale(reply) -> bool:
+            return reply.WhichOneof("kind") == "verdict" and reply.verdict.seed not in seeds
+
+        r = (await self.stream.ask(None, timeout, stale)).verdict
+        if len(r.p_draft) != len(r.draft_tokens) or not r.draft_tokens:
+            raise Unavailable(f"target: a pipelined verdict on {len(r.p_draft)} drafts")
+        return _verdict(r, pit)
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int:
         req = target_pb2.TargetRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
@@ -199,6 +204,26 @@ class RemoteTargetSession:
 
     async def close(self) -> None:
         await self.stream.close()
+
+
+def _verdict(r: target_pb2.Verdict, pit: bool) -> Verdict:
+    """The domain value of a Verdict message."""
+    return Verdict(
+        p_draft=list(r.p_draft),
+        q_draft=list(r.q_draft),
+        residual_tokens=list(r.residual_tokens),
+        bonus_token=r.bonus_token,
+        cache_len=r.cache_len,
+        compute_s=r.compute_s,
+        forward_s=r.forward_s,
+        batch_tokens=r.batch_tokens,
+        mass_above=list(r.mass_above) if pit else None,
+        p_at=list(r.p_at) if pit else None,
+        p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,
+        run_tokens=list(r.run_tokens),
+        drafts=list(r.draft_tokens) or None,
+        seed=r.seed,
+    )
 
 
 def _dense(values, rows: int):

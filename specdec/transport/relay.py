@@ -99,13 +99,15 @@ class RelayInboxes:
     def close(self, inbox: Inbox) -> None:
         self._by_token.pop(inbox.token, None)
 
-    def deliver(self, token: bytes, request: Any, seed: int, echo: Echo | None = None) -> str:
+    def deliver(self, token: bytes, request: Any, ids, echo: Echo | None = None) -> str:
         """Queue a relayed request on its session; '' if queued, else why not.
-        ``echo``: also hand the reply's verdict to it (before the reply goes out)."""
+        ``ids``: its seed and its pipeline's key (0: none), either of which the
+        caller may have cancelled. ``echo``: also hand the reply's verdict to it
+        (before the reply goes out)."""
         inbox = self._by_token.get(token)
         if inbox is None:
             return "no session with this relay token here"
-        if seed in inbox.cancelled:
+        if any(i and i in inbox.cancelled for i in ids):
             return "the session's caller cancelled this relay"
         inbox.queue.put_nowait(request if echo is None else Relayed(request, echo))
         return ""

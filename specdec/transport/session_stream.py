@@ -1,9 +1,11 @@
 """A model service's session is a bidirectional stream; this drives one.
 
 The first message must open the session; each later one is answered by
-exactly one reply, in order. The session is freed when the stream ends for
-any reason: the caller closes it, cancels it, its connection drops, a bad
-message ends it with a status, or it stays idle for longer than the TTL.
+exactly one reply, in order (but for a pipelined block that does not follow the
+verify before it, which is dropped with none: ``Verify.chain``). The session is
+freed when the stream ends for any reason: the caller closes it, cancels it,
+its connection drops, a bad message ends it with a status, or it stays idle
+for longer than the TTL.
 Both model services use it with their own ``open`` and ``step`` handlers.
 
 With ``inboxes`` (the target), the session also takes verifies a draft service
@@ -65,6 +67,9 @@ async def session_stream(
                     f"session: idle for more than session_ttl_s ({ttl_s:g} s); it is freed"
                 ) from None
             kind = msg.WhichOneof("kind")
+            key = msg.verify.pipeline if kind == "verify" and inbox is not None else 0
+            if key and key in inbox.cancelled:
+                continue  # a pipeline's block queued before its caller stopped it
             if session is None:
                 require(
                     kind == "open", "open", f"the first message must open the session, got {kind}"
@@ -77,6 +82,8 @@ async def session_stream(
             else:
                 require(kind != "open", "open", "the session is already open")
                 reply = await on_step(session, kind, msg)
+                if reply is None:  # a pipelined block that does not follow: dropped
+                    continue
                 if echo is not None and reply.WhichOneof("kind") == "verdict":
                     # The draft's head start: its copy goes first (a turn of the loop
                     # lets the relay stream write it before this reply).

@@ -29,20 +29,32 @@ class DraftReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay", "guess_residuals")
+    __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay", "guess_residuals", "pipeline")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     GUESS_RESIDUALS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     seed: int
     relay: RelayTo
     guess_residuals: bool
-    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ..., guess_residuals: _Optional[bool] = ...) -> None: ...
+    pipeline: Pipeline
+    def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ..., guess_residuals: _Optional[bool] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+
+class Pipeline(_message.Message):
+    __slots__ = ("key", "tokens", "depth")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    tokens: int
+    depth: int
+    def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class RelayTo(_message.Message):
     __slots__ = ("target", "relay_token", "verify", "draft_on")

@@ -52,7 +52,7 @@ class TargetReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens", "cancel_relays", "guess_tokens")
+    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens", "cancel_relays", "guess_tokens", "chain", "pipeline")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class Verify(_message.Message):
     RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_RELAYS_FIELD_NUMBER: _ClassVar[int]
     GUESS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     pending_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -73,10 +75,26 @@ class Verify(_message.Message):
     run_tokens: int
     cancel_relays: _containers.RepeatedScalarFieldContainer[int]
     guess_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    chain: Chain
+    pipeline: int
+    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ..., chain: _Optional[_Union[Chain, _Mapping]] = ..., pipeline: _Optional[int] = ...) -> None: ...
+
+class Chain(_message.Message):
+    __slots__ = ("after_seed", "uniforms", "match", "first_token", "after_rejection")
+    AFTER_SEED_FIELD_NUMBER: _ClassVar[int]
+    UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AFTER_REJECTION_FIELD_NUMBER: _ClassVar[int]
+    after_seed: int
+    uniforms: _containers.RepeatedScalarFieldContainer[float]
+    match: bool
+    first_token: int
+    after_rejection: bool
+    def __init__(self, after_seed: _Optional[int] = ..., uniforms: _Optional[_Iterable[float]] = ..., match: _Optional[bool] = ..., first_token: _Optional[int] = ..., after_rejection: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed")
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed", "draft_tokens")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
     Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +108,7 @@ class Verdict(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     p_draft: _containers.RepeatedScalarFieldContainer[float]
     q_draft: _containers.RepeatedScalarFieldContainer[float]
     residual_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -103,4 +122,5 @@ class Verdict(_message.Message):
     batch_tokens: int
     run_tokens: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

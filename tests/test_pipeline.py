@@ -1,0 +1,213 @@
+"""Pipelined speculation (``orchestrator.pipeline``): the draft paces the steps,
+the target runs each block that follows one accepted in full without being
+asked, and the orchestrator settles the verdicts as they come.
+
+Through the real gRPC services: greedy output equals ``generate()``, sampled
+output has the target's marginals (and a pipeline whose followers skip their
+first acceptance test, planted in every process, fails that test), a stopped
+pipeline never leaves a block behind that changes later output, and the pure
+pieces the three processes must agree on are tested on their own."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.step import Cursor, follows_in_full, pipeline_draws, pipeline_gamma, settle
+from specdec.runtime.loading import load_tokenizer
+from specdec.sampling import SamplingParams, Verdict
+
+from .conftest import WIRE_TOP_K
+from .stack import local_stack, planted_env
+from .test_overlap import N, _check, _reference
+
+# At any load: the statistical tests send their requests a few at a time.
+PIPELINE = dict(
+    orchestrator__pipeline=True,
+    orchestrator__relay_max_requests=0,
+    orchestrator__pipeline_max_requests=0,
+)
+
+
+def _blocks(stack, kind: str) -> float:
+    return stack.metric("draft", "specdec_model_pipeline_blocks_total", f'kind="{kind}"')
+
+
+# ---- the pure pieces ---------------------------------------------------------------------
+
+
+def test_pipeline_draws_are_a_function_of_key_step_and_kind():
+    a = pipeline_draws(7, 3, True, 4)
+    assert a == pipeline_draws(7, 3, True, 4)
+    assert a[2][:2] == pipeline_draws(7, 3, True, 2)[2]  # more uniforms extend fewer
+    others = [pipeline_draws(7, 3, False, 4), pipeline_draws(7, 4, True, 4)]
+    others.append(pipeline_draws(8, 3, True, 4))
+    assert all(o[0] != a[0] and o[1] != a[1] and o[2] != a[2] for o in others)
+
+
+def test_pipeline_gamma_never_drafts_past_the_tokens_wanted():
+    assert pipeline_gamma(10, 4) == 4
+    assert pipeline_gamma(3, 4) == 2  # 2 drafts and a bonus or residual: 3 tokens
+    assert pipeline_gamma(1, 4) == 0 and pipeline_gamma(0, 4) == 0
+    assert pipeline_gamma(100, 64, match=True) == 63  # a greedy follower drafts one more
+
+
+@pytest.mark.parametrize("match", [False, True])
+def test_the_targets_follow_test_is_settles(match):
+    """``follows_in_full`` (the target's) chains exactly when ``settle`` (the draft's
+    and the orchestrator's) says the block that follows is used, from the same cursor."""
+    target, draft = Cursor(10, (5,)), Cursor(9, (4, 5))
+    drafts = [6, 7, 8]
+    u = [0.5, 0.5, 0.5]
+    for p in ([0.9, 0.9, 0.9], [0.9, 0.2, 0.9], [0.9, 0.9, 0.1]):
+        for bonus in (11, 12):
+            verdict = Verdict(p, [0.6, 0.6, 0.6], [1, 2, 3], bonus)
+            out = settle(
+                target,
+                draft,
+                drafts,
+                verdict,
+                u,
+                chain=not match,
+                ahead_first=11 if match else None,
+            )
+            got = follows_in_full(target.end, len(drafts), verdict, u, match, 11)
+            assert (got is not None) == out.chained, (p, bonus)
+            if got is not None:
+                assert got == out.target
+
+
+# ---- through the services ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory, llama_pair):
+    with local_stack(
+        tmp_path_factory.mktemp("pipeline"),
+        *llama_pair,
+        orchestrator__wire_top_k=WIRE_TOP_K,
+        **PIPELINE,
+    ) as stack:
+        yield stack
+
+
+def test_greedy_equals_generate_pipelined(piped, llama_pair):
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("we shall pipeline")
+    want = _reference(target, ids, 40)
+    followers = _blocks(piped, "follower")
+    for gamma in (1, 2, 3, 5):
+        got, _, stats = piped.generate_raw(
+            prompt=ids, max_new_tokens=40, temperature=0.0, gamma=gamma, overlap=True
+        )
+        assert got == want, gamma
+    assert _blocks(piped, "follower") > followers
+    assert piped.live_sessions("draft") == 0 and piped.live_sessions("target") == 0
+
+
+def test_greedy_chains_when_every_draft_is_accepted(tmp_path, llama_pair):
+    """With the target as its own draft every draft is accepted, so nearly every block
+    follows the one before (a greedy follower's first token is the bonus), and the
+    output is still ``generate()``'s, at each depth, also when the request ends on a
+    stop string in the middle of a pipeline; nothing is left of it afterwards."""
+    _, target = llama_pair
+    tok = load_tokenizer(str(target))
+    ids = tok.encode("all of it")
+    want = _reference(target, ids, 33)
+    for depth in (1, 3):
+        with local_stack(
+            tmp_path / f"d{depth}", target, target, orchestrator__pipeline_depth=depth, **PIPELINE
+        ) as stack:
+            for gamma in (2, 4):
+                got, _, stats = stack.generate_raw(
+                    prompt=ids, max_new_tokens=33, temperature=0.0, gamma=gamma, overlap=True
+                )
+                assert got == want, (depth, gamma)
+                assert stats.accepted_tokens == stats.drafted_tokens
+                assert stats.overlapped_steps >= stats.steps - 2, stats
+            stop = tok.decode(want[12:14])
+            got, text, stats = stack.generate_raw(
+                prompt=ids, max_new_tokens=33, temperature=0.0, gamma=3, overlap=True,
+                stop=[stop],
+            )  # fmt: skip
+            assert stats.finish_reason == "stop" and got == want[: len(got)]
+            again, _, _ = stack.generate_raw(
+                prompt=ids, max_new_tokens=33, temperature=0.0, gamma=3, overlap=True
+            )
+            assert again == want
+            assert _blocks(stack, "follower") > 10
+            _no_sessions_left(stack)
+
+
+def _no_sessions_left(stack) -> None:
+    import time
+
+    deadline = time.monotonic() + 10.0  # sessions close just after a request's end
+    while time.monotonic() < deadline:
+        if stack.live_sessions("draft") == 0 and stack.live_sessions("target") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("sessions left behind")
+
+
+def test_a_pipeline_stops_when_others_start_and_output_does_not_change(tmp_path, llama_pair):
+    """A request alone pipelines; once others generate too it goes back to steps it
+    asks for (the rest of its pipeline refused): greedy output is unchanged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, target = llama_pair
+    prompts = [[3, 9, 27, 4 + i] for i in range(4)]
+    want = [_reference(target, p, 48) for p in prompts]
+
+    overrides = {**PIPELINE, "orchestrator__pipeline_max_requests": 1}
+    with local_stack(tmp_path, *llama_pair, **overrides) as stack:
+
+        def one(i):
+            return stack.generate_raw(
+                prompt=prompts[i], max_new_tokens=48, temperature=0.0, gamma=3, overlap=True
+            )[0]
+
+        alone = one(0)
+        first = _blocks(stack, "first")
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, range(4)))
+        _no_sessions_left(stack)
+    assert alone == want[0] and first >= 1
+    assert got == want
+
+
+@pytest.mark.slow
+def test_pipelined_sampling_follows_the_target(piped, llama_pair):
+    """T=1, gamma 1: the target's marginals at positions 1-3, with steps whose block
+    followed the one before (its first draft tested at the bonus position)."""
+    results, chained = _check(piped, llama_pair, SamplingParams(1.0))
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
+
+
+BROKEN_FOLLOWERS = """
+import orchestrator.step as s
+_draws = s.pipeline_draws
+def _accept_first(key, index, follows, n):  # BROKEN: a follower's first draft always passes
+    d, t, u = _draws(key, index, follows, n)
+    return d, t, ([0.0] + u[1:]) if follows and u else u
+s.pipeline_draws = _accept_first
+"""
+
+
+@pytest.mark.slow
+def test_a_pipeline_whose_followers_skip_their_first_test_fails_the_same_test(tmp_path, llama_pair):
+    """Planted in every process (so that draft, target and orchestrator still agree):
+    the first draft of a block that follows one accepted in full is accepted
+    without its test against the p the target kept for that position."""
+    with local_stack(
+        tmp_path / "stack",
+        *llama_pair,
+        env=planted_env(tmp_path, BROKEN_FOLLOWERS),
+        orchestrator__wire_top_k=WIRE_TOP_K,
+        **PIPELINE,
+    ) as stack:
+        results, chained = _check(stack, llama_pair, SamplingParams(1.0))
+    assert chained > N // 10, f"only {chained} of {N} requests chained a step"
+    failed = [k for k, (d, t) in results.items() if d >= t]
+    assert failed, f"the broken pipeline passed: {results}"
