@@ -153,7 +153,7 @@ class Drafter(ModelService):
         super().__init__("draft", cfg, model, tokenizer)
         for outcome in ("used", "discarded", "skipped"):  # 0 on dashboards, not nothing
             metrics.DRAFTED_ON.labels(outcome)
-        for kind in ("first", "follower", "fresh"):
+        for kind in ("first", "follower", "fresh", "guess"):
             metrics.PIPELINE_BLOCKS.labels(kind)
 
     async def open_draft(

@@ -9,11 +9,18 @@ step. This loop keeps the target fed:
   only if the block before it is accepted in full (``Verify.chain``), up to
   ``depth`` blocks ahead of the one being verified. The target runs a marked
   block the moment its condition holds, with no message in between;
+* greedy, it also drafts, each on its own copy of the cache, the block for a
+  rejection at each of the first positions of the block being verified, from
+  the draft's second choice there (as ``draft.guesses`` does for steps the
+  caller asks for), and relays them marked to run only if that rejection
+  happens with that token (``Chain.rejected_at``);
 * the target echoes every verdict here; each is settled with the caller's pure
   ``settle`` and uniforms, so this loop and the caller reach the same tokens and
-  cursors. After a block accepted in full the next one is already at the target;
-  after a rejection the blocks ahead are dropped (the target drops them too) and
-  the next block is drafted from the settled cursor and relayed at once.
+  cursors. After a block accepted in full the next one is already at the target,
+  and so is the guess for a rejection that drew the guessed token (its copy of
+  the cache becomes the session's); otherwise the blocks ahead are dropped (the
+  target drops them too) and the next block is drafted from the settled cursor
+  and relayed at once.
 
 Every block's seeds and uniforms come from the pipeline's key by step index
 (``step.pipeline_draws``) and every block's length from the tokens still wanted
@@ -30,8 +37,18 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from orchestrator.step import Cursor, ahead, pipeline_draws, pipeline_gamma, settle
+from orchestrator.step import (
+    FOLLOWER,
+    FRESH,
+    GUESS,
+    Cursor,
+    ahead,
+    pipeline_draws,
+    pipeline_gamma,
+    settle,
+)
 from specdec import metrics
+from specdec.runtime.ragged import SessionKV
 from specdec.sampling import Verdict
 from specdec.sessions import Session
 from specdec.v1 import target_pb2
@@ -45,13 +62,15 @@ class Block:
     """One relayed block whose verdict is still to be settled here."""
 
     index: int
-    follows: bool  # it follows a block accepted in full (Verify.chain)
+    kind: int  # FRESH, FOLLOWER or GUESS (``step.pipeline_draws``)
     drafts: list[int]  # as relayed (a greedy follower's: without its first token)
     draft: Cursor  # the draft's cursor the drafts count from (``settle``'s)
     left: int  # tokens the request still wants before it
     seed: int  # its verify's seed
     u: list[float]  # its acceptance test's uniforms
     first: int | None = None  # a greedy follower: the bonus it needs (Chain.first_token)
+    alternates: list[int] | None = None  # greedy: the draft's second choice at each draft
+    guessed: bool = False  # its guesses are drafted (or none will be)
     verdict: asyncio.Future = field(default_factory=lambda: _loop().create_future())
 
     def echo(self, v: target_pb2.Verdict) -> None:
@@ -89,11 +108,16 @@ class Pipeline:
         self.match = session.params.greedy  # greedy followers keep the bonus
         self.chain: list[Block] = []  # [0]: the block whose verdict comes next
         self.target_cursor: Cursor | None = None  # the one chain[0] runs from
+        # Greedy: chain[0]'s guesses by rejected position, each with its copy of the cache.
+        self.guesses: dict[int, tuple[Block, SessionKV]] = {}
 
-    def first(self, cursor: Cursor, target_cursor: Cursor, drafts, left: int) -> Block:
-        """The propose's own block (index 0), before it is relayed."""
-        _, seed, u = pipeline_draws(self.key, 0, False, len(drafts))
-        block = Block(0, False, list(drafts), cursor, left, seed, u)
+    def first(self, cursor: Cursor, target_cursor: Cursor, proposal, left: int) -> Block:
+        """The propose's own block (index 0), before it is relayed; ``left``: tokens
+        still wanted before it."""
+        drafts = list(proposal.tokens)
+        _, seed, u = pipeline_draws(self.key, 0, FRESH, len(drafts))
+        block = Block(0, FRESH, drafts, cursor, left, seed, u)
+        block.alternates = proposal.alternates
         self.chain, self.target_cursor = [block], target_cursor
         return block
 
@@ -101,8 +125,12 @@ class Pipeline:
         """Draft ahead, settle each verdict, until no more tokens are wanted."""
         try:
             while self.chain:
-                while len(self.chain) <= self.depth and await self._follow(self.chain[-1]):
-                    pass
+                if len(self.chain) == 1:  # the block that follows, first
+                    await self._follow(self.chain[-1])
+                await self._guess(self.chain[0])
+                while len(self.chain) <= self.depth and not self.chain[0].verdict.done():
+                    if not await self._follow(self.chain[-1]):
+                        break
                 await self._settle(self.chain[0], await self.chain[0].verdict)
         except asyncio.CancelledError:
             raise
@@ -115,26 +143,63 @@ class Pipeline:
         g = pipeline_gamma(b.left - len(b.drafts) - match, self.gamma, match)
         if not g:
             return False
-        draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, True, g)
+        draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, FOLLOWER, g)
         start = ahead(b.draft, b.drafts)
-        tokens, qs = await self._draft(start, g + match, draft_seed)
+        proposal = await self._draft(start, g + match, draft_seed)
+        tokens = proposal.tokens
         first = tokens[0] if match else None
         cursor = Cursor(b.draft.end + len(b.drafts), (first,)) if match else start
-        nxt = Block(
-            b.index + 1, True, tokens[match:], cursor, b.left - len(b.drafts) - match, seed, u
-        )
-        nxt.first = first
+        left = b.left - len(b.drafts) - match
+        nxt = Block(b.index + 1, FOLLOWER, tokens[match:], cursor, left, seed, u, first)
+        if proposal.alternates is not None:
+            nxt.alternates = proposal.alternates[match:]
         chain = target_pb2.Chain(after_seed=b.seed, uniforms=b.u, match=match)
         if match:
             chain.first_token = first
-        if not await self._relay(nxt, qs[match:], chain):
+        if not await self._relay(nxt, proposal.qs[match:], chain):
             return False
         metrics.PIPELINE_BLOCKS.labels("follower").inc()
         self.chain.append(nxt)
         return True
 
+    async def _guess(self, b: Block) -> None:
+        """Greedy: draft and relay the block for a rejection at each of ``b``'s first
+        positions (``draft.guesses`` of them), from the draft's second choice there,
+        each on a copy of the cache, while ``b``'s verdict is to come."""
+        count = self.drafter.cfg.guesses
+        if b.guessed or not self.match or not count or not b.alternates:
+            return
+        b.guessed = True
+        budget = self.drafter.cfg.guess_copy_mb * 2**20
+        per_token = self.session.kv.bytes_per_token()
+        for j in range(min(len(b.drafts), count)):
+            y, left, at = b.alternates[j], b.left - j - 1, b.draft.end + j
+            g = pipeline_gamma(left, self.gamma)
+            budget -= at * per_token
+            if b.verdict.done() or not g or budget < 0 or at > self.session.length:
+                return
+            kv = self.session.kv.fork(at)
+            d = self.drafter
+            proposal = await d.run(d._draft(self.session, [y], g, 0, kv=kv), "guess")
+            _, seed, u = pipeline_draws(self.key, b.index + 1, GUESS, g)
+            guess = Block(b.index + 1, GUESS, proposal.tokens, Cursor(at, (y,)), left, seed, u)
+            guess.alternates = proposal.alternates
+            chain = target_pb2.Chain(
+                after_seed=b.seed,
+                uniforms=b.u,
+                after_rejection=True,
+                rejected_at=j + 1,
+                residual_token=y,
+            )
+            t = self.target_cursor
+            if not await self._relay(guess, proposal.qs, chain, Cursor(t.end + j, (y,))):
+                return
+            metrics.PIPELINE_BLOCKS.labels("guess").inc()
+            self.guesses[j] = (guess, kv)
+
     async def _settle(self, b: Block, verdict: Verdict) -> None:
-        """Settle ``b`` as the caller will; after a rejection, relay the next block."""
+        """Settle ``b`` as the caller will; after a rejection, the guess for it if the
+        target runs it, else the next block drafted and relayed now."""
         nxt = self.chain[1] if len(self.chain) > 1 else None
         outcome = settle(
             self.target_cursor,
@@ -147,26 +212,40 @@ class Pipeline:
         )
         left = b.left - len(outcome.tokens)
         self.target_cursor = outcome.target
+        guesses, self.guesses = self.guesses, {}
         if outcome.chained:  # the target is verifying the next block already
+            metrics.DRAFT_GUESSES.labels("unused").inc(len(guesses))
             self.chain.pop(0)
             return
+        n = outcome.accepted
+        guess, kv = guesses.pop(n, (None, None))
+        drew = verdict.residual_tokens[n] if n < len(b.drafts) else None
+        metrics.DRAFT_GUESSES.labels("unused").inc(len(guesses))
+        if guess is not None and drew == guess.draft.pending[0]:  # (the target runs it)
+            metrics.DRAFT_GUESSES.labels("used").inc()
+            self.drafter.loop.forget(self.session.kv)
+            self.session.kv = kv  # the copy it was drafted on, now the session's
+            self.chain = [guess]
+            return
+        if guess is not None:
+            metrics.DRAFT_GUESSES.labels("unused").inc()
         self.chain = []
         g = pipeline_gamma(left, self.gamma)
         if not g:
             return
-        draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, False, g)
-        tokens, qs = await self._draft(outcome.draft, g, draft_seed)
-        fresh = Block(b.index + 1, False, tokens, outcome.draft, left, seed, u)
+        draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, FRESH, g)
+        proposal = await self._draft(outcome.draft, g, draft_seed)
+        fresh = Block(b.index + 1, FRESH, proposal.tokens, outcome.draft, left, seed, u)
+        fresh.alternates = proposal.alternates
         after = target_pb2.Chain(after_seed=b.seed, after_rejection=True)
-        if await self._relay(fresh, qs, after, cursor=outcome.target):
+        if await self._relay(fresh, proposal.qs, after, cursor=outcome.target):
             metrics.PIPELINE_BLOCKS.labels("fresh").inc()
             self.chain = [fresh]
 
     async def _draft(self, cursor: Cursor, gamma: int, seed: int):
         d = self.drafter
         d.roll_back_to(self.session, cursor.cache_len)
-        proposal = await d.run(d._draft(self.session, list(cursor.pending), gamma, seed), "propose")
-        return proposal.tokens, proposal.qs
+        return await d.run(d._draft(self.session, list(cursor.pending), gamma, seed), "propose")
 
     async def _relay(self, b: Block, qs, chain, cursor: Cursor | None = None) -> bool:
         request = target_pb2.RelayedVerify(relay_token=self.token)

@@ -109,7 +109,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     )
                     t = Cursor(verify.cache_len, tuple(verify.pending_tokens))
                     d = Cursor(p.cache_len, tuple(p.append_tokens))
-                    first = pipe.first(d, t, proposal.tokens, p.pipeline.tokens)
+                    first = pipe.first(d, t, proposal, p.pipeline.tokens)
                     on_verdict, verify.seed = first.echo, first.seed
                     verify.pipeline = p.pipeline.key
                 relayed, relay_bytes = await self.relay_client().send(

@@ -37,7 +37,16 @@ from .ports import DraftOn, PipelineSpec
 from .replicas import ReplicaPool
 from .requests import RequestSpec
 from .resilience import Budget, DraftLink, TargetLink
-from .step import Cursor, ahead, pipeline_draws, pipeline_gamma, settle
+from .step import (
+    FOLLOWER,
+    FRESH,
+    GUESS,
+    Cursor,
+    ahead,
+    pipeline_draws,
+    pipeline_gamma,
+    settle,
+)
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -80,18 +89,18 @@ class Stats:
 @dataclass
 class Piped:
     """A pipeline the request follows (``Generation.follow``): its key and gamma, the
-    step whose verdict comes next, and which of that step's draws it may carry:
-    those of a block that follows one accepted in full (True) or of one drafted
-    after a rejection (False). Both, after a greedy step that accepted every draft:
-    its follower is used only if the bonus is its first token, which this engine
-    learns from the next verdict's seed (``matched``: what the draft cursor becomes
-    then)."""
+    step whose verdict comes next, and the kinds of block that step may be
+    (``step.FRESH``, ``FOLLOWER``, ``GUESS``), each with draws of its own. A greedy
+    step leaves two: after it accepted every draft, its follower is used only if
+    the bonus is the follower's first token; after a rejection, a guess only if it
+    guessed the token drawn there. This engine learns which from the next verdict's
+    seed (``matched``: the draft's cursor if that is the follower)."""
 
     key: int
     gamma: int
     pit: bool
     index: int = 0
-    follows: tuple[bool, ...] = (False,)
+    kinds: tuple[int, ...] = (FRESH,)
     matched: Cursor | None = None
 
 
@@ -642,7 +651,7 @@ class Generation:
             self.stop_pipeline()
             return await self.step()
         tracing.mark("follow")
-        expected = {pipeline_draws(pipe.key, pipe.index, f, 0)[1]: f for f in pipe.follows}
+        expected = {pipeline_draws(pipe.key, pipe.index, k, 0)[1]: k for k in pipe.kinds}
         seed = fallback_seed(next(iter(expected)))  # (a plain step's, if the pipeline is lost)
         try:
             verdict = await self.target.verify(None, seed, False, pipe.pit, follow=(*expected,))
@@ -653,13 +662,13 @@ class Generation:
         match = self.spec.params.greedy
         if verdict.drafts_dropped:  # lost with its relay: a plain step on a new session
             self.pipe = None
-            drafts, u, nxt, follows = [], [], 0, False
+            drafts, u, nxt, kind = [], [], 0, FRESH
         else:
-            follows = expected[verdict.seed]
-            if follows and pipe.matched is not None:  # the greedy block before matched
+            kind = expected[verdict.seed]
+            if kind == FOLLOWER and pipe.matched is not None:  # the greedy block before matched
                 self.draft.cursor = pipe.matched
             drafts = verdict.drafts
-            u = pipeline_draws(pipe.key, pipe.index, follows, len(drafts))[2]
+            u = pipeline_draws(pipe.key, pipe.index, kind, len(drafts))[2]
             nxt = pipeline_gamma(remaining - len(drafts) - match, pipe.gamma, match)
             if verdict.cache_len != self.target.cursor.end + len(drafts):
                 self.stop_pipeline()
@@ -686,13 +695,15 @@ class Generation:
             pipe.index += 1
             pipe.matched = None
             if outcome.chained:
-                pipe.follows = (True,)
+                pipe.kinds = (FOLLOWER,)
             elif match and drafts and outcome.accepted == len(drafts) and nxt:
-                pipe.follows = (True, False)
+                pipe.kinds = (FOLLOWER, FRESH)
                 pipe.matched = Cursor(draft_before.end + len(drafts), (verdict.bonus_token,))
+            elif match and drafts:  # a rejection: the draft may have guessed its token
+                pipe.kinds = (FRESH, GUESS)
             else:
-                pipe.follows = (False,)
-            if follows:  # this block was drafted while the one before was verified
+                pipe.kinds = (FRESH,)
+            if kind != FRESH:  # this block was drafted while the one before was verified
                 self.stats.overlapped_steps += 1
                 metrics.OVERLAPPED_STEPS.labels("used").inc()
             if not pipeline_gamma(left, pipe.gamma):  # the pipeline drafts no more

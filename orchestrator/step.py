@@ -135,13 +135,19 @@ def settle(
 # on every step's draws and on which blocks exist from these two functions alone.
 
 
-def pipeline_draws(key: int, index: int, follows: bool, n: int) -> tuple[int, int, list[float]]:
+# The kinds of block a pipelined step may verify: drafted after the step before was
+# settled with a rejection (FRESH), drafted ahead as if that step accepted every
+# draft (FOLLOWER), or drafted before its verdict for one rejection (GUESS, greedy).
+FRESH, FOLLOWER, GUESS = 0, 1, 2
+
+
+def pipeline_draws(key: int, index: int, kind: int, n: int) -> tuple[int, int, list[float]]:
     """Step ``index``'s draws in the pipeline keyed by ``key``: the draft's seed, the
-    verify's seed and the n uniforms of its acceptance test. The block that follows
-    a block accepted in full (``follows``) and the one drafted after a rejection
-    instead have streams of their own; at most one of the two is ever verified, and
-    which one depends only on the step before, never on these draws."""
-    rng = Philox(key, jumps=2 + 2 * index + int(follows))
+    verify's seed and the n uniforms of its acceptance test. Each kind of block
+    (``FRESH``, ``FOLLOWER``, ``GUESS``) has a stream of its own; at most one block
+    of a step is ever verified, and which one depends only on the step before, never
+    on these draws."""
+    rng = Philox(key, jumps=2 + 3 * index + int(kind))
     return rng.next64(), rng.next64(), rng.random(n)
 
 
@@ -150,6 +156,14 @@ def pipeline_gamma(left: int, gamma: int, match: bool = False) -> int:
     before it (0: the pipeline drafts no more). ``match``: a greedy block that
     follows another is drafted one token longer (its first token is the bonus)."""
     return max(0, min(gamma, left - 1, MAX_GAMMA - int(match)))
+
+
+def guess_holds(drafts: int, verdict: Verdict, u, rejected_at: int, token: int) -> bool:
+    """Whether a greedy guess block is the step after this verdict: the verdict
+    rejected draft ``rejected_at`` (1-based; the ones before it accepted) and drew
+    ``token`` there (the target's test of ``Chain.rejected_at``)."""
+    n = accepted_count(verdict.p_draft, verdict.q_draft, u)
+    return n < drafts and n == rejected_at - 1 and verdict.residual_tokens[n] == token
 
 
 def follows_in_full(target_end: int, drafts: int, verdict: Verdict, u, match: bool, first: int):

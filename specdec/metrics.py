@@ -251,8 +251,9 @@ PIPELINE_BLOCKS = Counter(
     "specdec_model_pipeline_blocks_total",
     "Blocks a draft service relayed while pacing a pipeline (draft_service.pipeline): "
     "first (the propose that started it), follower (drafted ahead of the block being "
-    "verified, run only if that one is accepted in full) or fresh (drafted after a "
-    "rejection).",
+    "verified, run only if that one is accepted in full), guess (greedy: drafted for a "
+    "rejection of it, run only if that rejection draws the guessed token) or fresh "
+    "(drafted after a rejection).",
     ["kind"],
     registry=None,
 )

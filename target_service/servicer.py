@@ -6,7 +6,7 @@ import asyncio
 import functools
 from dataclasses import dataclass
 
-from orchestrator.step import Cursor, follows_in_full
+from orchestrator.step import Cursor, follows_in_full, guess_holds
 from specdec import tracing
 from specdec.config import ModelServiceConfig
 from specdec.errors import InvalidArgument
@@ -150,15 +150,19 @@ def _follows(last: _Last | None, chain: target_pb2.Chain, cache_len: int, pendin
     """The cursor a pipelined block starts from, or None if it does not follow."""
     if last is None or last.seed != chain.after_seed:
         return None
-    if chain.after_rejection:
+    v = last.verdict
+    if chain.after_rejection and not chain.rejected_at:
         return Cursor(cache_len, tuple(pending))
     if len(chain.uniforms) != last.drafts:
         return None
-    v = last.verdict
-    judged = Verdict(list(v.p_draft), list(v.q_draft), [], v.bonus_token)
-    return follows_in_full(
-        last.end, last.drafts, judged, list(chain.uniforms), chain.match, chain.first_token
-    )
+    judged = Verdict(list(v.p_draft), list(v.q_draft), list(v.residual_tokens), v.bonus_token)
+    u = list(chain.uniforms)
+    if chain.after_rejection:  # a guess: only for the rejection it was drafted for
+        token = chain.residual_token
+        if not guess_holds(last.drafts, judged, u, chain.rejected_at, token):
+            return None
+        return Cursor(last.end + chain.rejected_at - 1, (token,))  # (settle's)
+    return follows_in_full(last.end, last.drafts, judged, u, chain.match, chain.first_token)
 
 
 async def serve(

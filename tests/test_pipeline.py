@@ -10,6 +10,8 @@ pieces the three processes must agree on are tested on their own."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from orchestrator.step import Cursor, follows_in_full, pipeline_draws, pipeline_gamma, settle
@@ -26,6 +28,10 @@ PIPELINE = dict(
     orchestrator__relay_max_requests=0,
     orchestrator__pipeline_max_requests=0,
 )
+
+
+def _guesses_used(stack) -> float:
+    return stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
 
 
 def _blocks(stack, kind: str) -> float:
@@ -102,6 +108,27 @@ def test_greedy_equals_generate_pipelined(piped, llama_pair):
         assert got == want, gamma
     assert _blocks(piped, "follower") > followers
     assert piped.live_sessions("draft") == 0 and piped.live_sessions("target") == 0
+
+
+def test_greedy_guesses_on_the_demo_pair(tmp_path):
+    """On the bundled demo pair the draft's second choice is the target's token at
+    most greedy rejections, so guessed blocks run at once; output is still
+    ``generate()``'s."""
+    demo = Path(__file__).resolve().parent.parent / "models" / "demo"
+    draft, target = demo / "draft", demo / "target"
+    tok = load_tokenizer(str(target))
+    prompts = [tok.encode(t) for t in ("It is a truth", "Emma Woodhouse, handsome")]
+    with local_stack(tmp_path, draft, target, **PIPELINE) as stack:
+        for ids in prompts:
+            want = _reference(target, ids, 48)
+            for gamma in (2, 4):
+                got, _, _ = stack.generate_raw(
+                    prompt=ids, max_new_tokens=48, temperature=0.0, gamma=gamma, overlap=True
+                )
+                assert got == want, gamma
+        assert _guesses_used(stack) > 0  # a rejection's block, run at once
+        assert _blocks(stack, "follower") > 0
+        _no_sessions_left(stack)
 
 
 def test_greedy_chains_when_every_draft_is_accepted(tmp_path, llama_pair):
@@ -188,9 +215,9 @@ def test_pipelined_sampling_follows_the_target(piped, llama_pair):
 BROKEN_FOLLOWERS = """
 import orchestrator.step as s
 _draws = s.pipeline_draws
-def _accept_first(key, index, follows, n):  # BROKEN: a follower's first draft always passes
-    d, t, u = _draws(key, index, follows, n)
-    return d, t, ([0.0] + u[1:]) if follows and u else u
+def _accept_first(key, index, kind, n):  # BROKEN: a follower's first draft always passes
+    d, t, u = _draws(key, index, kind, n)
+    return d, t, ([0.0] + u[1:]) if kind == s.FOLLOWER and u else u
 s.pipeline_draws = _accept_first
 """
 

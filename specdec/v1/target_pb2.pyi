@@ -80,18 +80,22 @@ class Verify(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ..., chain: _Optional[_Union[Chain, _Mapping]] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class Chain(_message.Message):
-    __slots__ = ("after_seed", "uniforms", "match", "first_token", "after_rejection")
+    __slots__ = ("after_seed", "uniforms", "match", "first_token", "after_rejection", "rejected_at", "residual_token")
     AFTER_SEED_FIELD_NUMBER: _ClassVar[int]
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     MATCH_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     AFTER_REJECTION_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     after_seed: int
     uniforms: _containers.RepeatedScalarFieldContainer[float]
     match: bool
     first_token: int
     after_rejection: bool
-    def __init__(self, after_seed: _Optional[int] = ..., uniforms: _Optional[_Iterable[float]] = ..., match: _Optional[bool] = ..., first_token: _Optional[int] = ..., after_rejection: _Optional[bool] = ...) -> None: ...
+    rejected_at: int
+    residual_token: int
+    def __init__(self, after_seed: _Optional[int] = ..., uniforms: _Optional[_Iterable[float]] = ..., match: _Optional[bool] = ..., first_token: _Optional[int] = ..., after_rejection: _Optional[bool] = ..., rejected_at: _Optional[int] = ..., residual_token: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed", "draft_tokens")
