@@ -256,5 +256,5 @@ class Pipeline:
             v.cache_len, v.pending_tokens[:] = cursor.cache_len, cursor.pending
         v.draft_tokens[:] = b.drafts
         v.draft_q.CopyFrom(pack_q(qs))
-        sent, _ = await self.relay.send(self.target, request, b.echo)
+        sent, _ = await self.relay.send(self.target, request, b.echo, late=True)
         return sent

@@ -797,7 +797,8 @@ class Generation:
                 metrics.DRAFTED_BY_POSITION.labels(metrics.position_label(i)).inc()
                 if i <= n:
                     metrics.ACCEPTED_BY_POSITION.labels(metrics.position_label(i)).inc()
-            metrics.STAGE_DURATION.labels("propose").observe(t_propose)
+            if t_propose > 0:  # (none in a pipelined step: nobody asked the draft)
+                metrics.STAGE_DURATION.labels("propose").observe(t_propose)
         metrics.STAGE_DURATION.labels("verify").observe(t_verify)
         if self.o.explicit_rollback:
             metrics.STAGE_DURATION.labels("rollback").observe(t_rb)

@@ -146,10 +146,13 @@ class RelayClient:
         address: str,
         request: target_pb2.RelayedVerify,
         on_verdict: Callable[[target_pb2.Verdict], None] | None = None,
+        late: bool = False,
     ) -> tuple[bool, int]:
         """Relay ``request`` (a verify and its session's relay token) to ``address``:
         (sent, bytes). ``on_verdict``: the target echoes the verdict, and this gets it
-        (called on the event loop; never if the relay is refused or lost)."""
+        (called on the event loop; never if the relay is refused or lost). ``late``:
+        nobody waits for it (a pipeline's block), so a refusal for want of the session
+        means the request ended, not another replica: no rest for the address."""
         loop = asyncio.get_running_loop()
         until, _ = self._resting.get(address, (0.0, 0.0))
         if loop.time() < until:
@@ -160,7 +163,7 @@ class RelayClient:
                 await link.aclose()
             channel = open_channel(address, self.tls, self.max_message_bytes)
             link = self._links[address] = _Link(channel, lambda why: self.rest(address, why))
-        if not await link.send(request, self.write_timeout_s, on_verdict):
+        if not await link.send(request, self.write_timeout_s, on_verdict, late):
             self.rest(address, "could not send")
             return False, 0
         return True, request.ByteSize()
@@ -182,6 +185,7 @@ class _Link:
         self.write_lock = asyncio.Lock()
         self.broken = False
         self.echoes: dict[int, Callable] = {}  # tag -> who gets its verdict (oldest first)
+        self.late: collections.deque[int] = collections.deque(maxlen=_ECHOES_KEPT)  # tags
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
@@ -196,7 +200,8 @@ class _Link:
                             log.exception("relay: acting on an echoed verdict failed")
                     continue
                 metrics.RELAY_REFUSALS.inc()
-                if ack.reason.startswith("no session"):  # another replica at this address
+                late = ack.tag in self.late  # (a pipeline's block after its request ended)
+                if ack.reason.startswith("no session") and not late:  # another replica here
                     self.on_trouble(f"refused ({ack.reason})")
                 else:
                     log.debug("relay refused: %s", ack.reason)
@@ -207,8 +212,12 @@ class _Link:
         finally:
             self.broken = True
 
-    async def send(self, request: target_pb2.RelayedVerify, timeout: float, on_verdict) -> bool:
+    async def send(
+        self, request: target_pb2.RelayedVerify, timeout: float, on_verdict, late: bool = False
+    ) -> bool:
         request.tag = next(self.tags)
+        if late:
+            self.late.append(request.tag)
         if on_verdict is not None:
             request.echo = True
             self.echoes[request.tag] = on_verdict
