@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="per round, one after the other")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=2, help="orchestrator.pipeline_depth")
+    ap.add_argument(
+        "--min-rtt-ms",
+        type=float,
+        default=0.0,
+        help="orchestrator.pipeline_min_rtt_ms of the pipelined orchestrator (0: always)",
+    )
     ap.add_argument("--out", default=f"results/pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -84,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pd, pt = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))
         asked, _ = stack.start_orchestrator("orchestrator-asked", pd, pt)
-        sets = {**PIPELINED, "orchestrator.pipeline_depth": str(args.depth)}
+        sets = {
+            **PIPELINED,
+            "orchestrator.pipeline_depth": str(args.depth),
+            "orchestrator.pipeline_min_rtt_ms": str(args.min_rtt_ms),
+        }
         piped, _ = stack.start_orchestrator("orchestrator-piped", pd, pt, sets)
         pin_stack(stack)
         stack.pin_extra(DRAFT_CORE, FRONT_NICE)
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = side_by_side_header(
         "Pipelined speculation beside the steps the orchestrator asks for",
         info,
-        f"Pinned as in `make bench` (pipeline depth {args.depth}), round-trip time added on "
+        f"Pinned as in `make bench` (pipeline depth {args.depth}, pipelines from "
+        f"{args.min_rtt_ms:g} ms of measured round trip), round-trip time added on "
         f"every hop, the draft's relays included; per point {args.repeats} interleaved rounds "
         f"of {len(prompts)} prompts x {args.max_new_tokens} tokens per configuration, after "
         f"a warm-up run of each.",

@@ -612,14 +612,15 @@ class Generation:
     def pipelines(self, remaining: int, gamma: int) -> bool:
         """Whether this overlapped step starts a pipeline (``orchestrator.pipeline``):
         at light load (a pipeline takes the draft's and the target's time without
-        asking), with tokens for more than one step, and with neither rollbacks
-        between steps nor dense diagnostics."""
+        asking) and with a long hop to the draft (``pipeline_starts``), with tokens
+        for more than one step, and with neither rollbacks between steps nor dense
+        diagnostics."""
         o = self.o
         return (
             o.pipeline
             and not o.explicit_rollback
             and not self.spec.dense
-            and self.pipeline_pays()
+            and self.pipeline_starts()
             and remaining > gamma + 1
         )
 
@@ -627,6 +628,12 @@ class Generation:
         """At light load (``pipeline_max_requests``; 0: at any)."""
         limit = self.o.pipeline_max_requests
         return limit == 0 or self.orch.load() <= limit
+
+    def pipeline_starts(self) -> bool:
+        """At light load, and where the orchestrator's hop to the draft is long
+        (``pipeline_min_rtt_ms``, against the cost model's measured round trip)."""
+        rtt_ms = 1000 * self.orch.cost.rtt_draft_s.value
+        return self.pipeline_pays() and rtt_ms >= self.o.pipeline_min_rtt_ms
 
     def stop_pipeline(self) -> None:
         """Stop following: the rest of the pipeline's blocks are refused (the target

@@ -268,6 +268,12 @@ class OrchestratorConfig:
     # without being asked; above this load it stops and the request's steps are
     # asked for again.
     pipeline_max_requests: int = 1
+    # ... once the round trip to the draft (beyond its compute, as the cost model
+    # measures it from the steps it asks for) is at least this long. On loopback the
+    # orchestrator's hop is short and steps it asks for, with their guesses and
+    # calibration, measured as fast or faster (docs/benchmarks.md, "Pipelined
+    # speculation"); 0: at any round trip.
+    pipeline_min_rtt_ms: float = 2.0
     # Tokenizer for text prompts; empty uses the target's model directory.
     tokenizer: str = ""
     # Seconds to wait at start-up for draft and target to answer Info.
@@ -358,6 +364,7 @@ _NON_NEGATIVE = {
     "gamma",
     "relay_max_requests",
     "pipeline_max_requests",
+    "pipeline_min_rtt_ms",
     "wire_top_k",
     "adaptive_explore_tokens",
     "adaptive_overlap_max_requests",

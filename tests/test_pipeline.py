@@ -22,11 +22,13 @@ from .conftest import WIRE_TOP_K
 from .stack import local_stack, planted_env
 from .test_overlap import N, _check, _reference
 
-# At any load: the statistical tests send their requests a few at a time.
+# At any load (the statistical tests send their requests a few at a time) and at
+# any round trip (loopback's is short).
 PIPELINE = dict(
     orchestrator__pipeline=True,
     orchestrator__relay_max_requests=0,
     orchestrator__pipeline_max_requests=0,
+    orchestrator__pipeline_min_rtt_ms=0.0,
 )
 
 
