@@ -462,7 +462,9 @@ def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
     try:
         d_addr = proxies.add(stack.address("draft"))
         t_addr = proxies.add(stack.address("target"))
-        address, _ = stack.start_orchestrator("orchestrator-proxied", d_addr, t_addr)
+        # Separate machines, as deploy/ configures them: pipelines where the hop is long.
+        sets = {"orchestrator.pipeline": "true"}
+        address, _ = stack.start_orchestrator("orchestrator-proxied", d_addr, t_addr, sets)
         stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         client = Client(address)
         prompts = plan.prompts[: plan.rtt_prompts]
