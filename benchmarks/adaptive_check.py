@@ -27,12 +27,10 @@ import statistics
 import time
 from pathlib import Path
 
-from specdec.local.proxy import ProxyGroup
-
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .common import PROMPTS, Client, machine_info
 from .plain_runs import interleaved, paired, save_side_by_side, side_by_side_header
 from .report import held_out_best
-from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, unpin_self
+from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
 
 
 def configs_for(
@@ -105,11 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
     prompts = PROMPTS[: args.prompts]
-    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
-    proxies = ProxyGroup()
     results: dict[str, dict] = {}
-    try:
-        pd, pt = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))
+    with proxied_services(out) as (stack, proxies, pd, pt):
         address, _ = stack.start_orchestrator("orchestrator-proxied", pd, pt)
         baseline = None
         if args.baseline_set:
@@ -141,10 +136,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"{h['in_sample']:.3f} in sample; / plain {results[key]['vs_plain']:.3f}",
                     flush=True,
                 )
-    finally:
-        stack.stop()
-        proxies.close()
-        unpin_self()
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
         "Adaptive gamma against the best fixed gamma",

@@ -349,6 +349,24 @@ def hf_benchmark(
 
 
 # ---- 3/4. the services --------------------------------------------------------------------
+@contextlib.contextmanager
+def proxied_services(out: Path) -> Iterator[tuple]:
+    """One draft and one target (one thread each), each behind a delay proxy:
+    (stack, proxies, draft's proxied address, target's). Stopped, and this process
+    unpinned, on the way out."""
+    from .common import DEFAULT_DRAFT, DEFAULT_TARGET, start_services
+
+    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
+    proxies = ProxyGroup()
+    try:
+        pd, pt = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))
+        yield stack, proxies, pd, pt
+    finally:
+        stack.stop()
+        proxies.close()
+        unpin_self()
+
+
 def pin_stack(stack, front_nice: int = FRONT_NICE) -> None:
     """Each service on its own core: the draft (with the orchestrator and this client,
     at ``front_nice``) on one, the target on the other."""

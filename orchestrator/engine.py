@@ -572,15 +572,7 @@ class Generation:
             chain=next_proposal is not None and not match,
             ahead_first=next_proposal.tokens[0] if next_proposal is not None and match else None,
         )
-        self.target.cursor = outcome.target
-        if self.draft is not None:
-            self.draft.cursor = outcome.draft
-        if verdict.mass_above:
-            self.orch.monitor.observe(
-                *emitted_terms(
-                    verdict.mass_above, verdict.p_at, len(drafts), outcome.accepted, outcome.bonus
-                )
-            )
+        self.apply(outcome, verdict)
         if ahead_task is not None:
             metrics.OVERLAPPED_STEPS.labels("used" if outcome.chained else "discarded").inc()
         if outcome.chained:
@@ -607,6 +599,23 @@ class Generation:
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         tracing.mark("settled")
         return outcome.tokens
+
+    def apply(self, outcome, verdict) -> None:
+        """Move both cursors to where ``outcome`` leaves them, and show its emitted
+        tokens to the live exactness monitor (when the verdict carries their terms)."""
+        self.target.cursor = outcome.target
+        if self.draft is not None:
+            self.draft.cursor = outcome.draft
+        if verdict.mass_above:
+            self.orch.monitor.observe(
+                *emitted_terms(
+                    verdict.mass_above,
+                    verdict.p_at,
+                    outcome.drafted,
+                    outcome.accepted,
+                    outcome.bonus,
+                )
+            )
 
     # ---- pipelined speculation -------------------------------------------------------
     def pipelines(self, remaining: int, gamma: int) -> bool:
@@ -687,15 +696,7 @@ class Generation:
         outcome = settle(
             self.target.cursor, draft_before, drafts, verdict, u, chain=bool(nxt) and not match
         )
-        self.target.cursor = outcome.target
-        if self.draft is not None:
-            self.draft.cursor = outcome.draft
-        if verdict.mass_above:
-            self.orch.monitor.observe(
-                *emitted_terms(
-                    verdict.mass_above, verdict.p_at, len(drafts), outcome.accepted, outcome.bonus
-                )
-            )
+        self.apply(outcome, verdict)
         self.history.extend(outcome.tokens)
         if self.pipe is not None:
             left = remaining - len(outcome.tokens)

@@ -352,6 +352,21 @@ def test_adaptive_check_writes_results(tmp_path):
     assert (tmp_path / "adaptive_check.png").stat().st_size > 0
 
 
+def test_pipeline_side_by_side_writes_results(tmp_path):
+    """``benchmarks.pipeline`` on the demo pair, one point, one round: pipelined and
+    asked-for steps and adaptive with and without pipelines measured and compared."""
+    _run_module(
+        "benchmarks.pipeline", "--repeats", "1", "--rtts", "5", "--temperatures", "1",
+        "--gammas", "2", "--prompts", "1", "--max-new-tokens", "12", "--out", str(tmp_path),
+        timeout=300,
+    )  # fmt: skip
+    point = json.loads((tmp_path / "results.json").read_text())["rates"]["+5 ms, T=1"]
+    names = {"plain", "adaptive", "adaptive-pipe", "seq2", "ovl2", "pipe2"}
+    assert set(point["rates"]) == names
+    assert all(v[0] > 0 for v in point["rates"].values())
+    assert "| +5 ms, T=1 | **" in (tmp_path / "results.md").read_text()
+
+
 def test_draft_position_writes_results(tmp_path):
     _run_module(
         "benchmarks.draft_position", "--rounds", "1", "--positions", "5", "--no-large",
