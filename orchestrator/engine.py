@@ -497,7 +497,7 @@ class Generation:
                     if relay is not None and overlap and self.pipelines(remaining, gamma):
                         # The draft paces the steps from here (``follow``).
                         key = seeds(self.rng)[0] or 1
-                        draft_seed, target_seed, _ = pipeline_draws(key, 0, False, 0)
+                        draft_seed, target_seed, _ = pipeline_draws(key, 0, FRESH, 0)
                         relay = self.target.relay_to(target_seed, pit)
                         spec = PipelineSpec(key, remaining, self.o.pipeline_depth)
                         relay = dataclasses.replace(relay, pipeline=spec)
