@@ -44,6 +44,12 @@ def configs_for(
     for g in gammas:
         fields[f"seq{g}"] = {"gamma": g, "overlap": False}
         fields[f"ovl{g}"] = {"gamma": g, "overlap": True}
+    return rate_fns(fields, address, temp, prompts, tokens)
+
+
+def rate_fns(fields: dict[str, dict], address: str, temp: float, prompts, tokens: int) -> dict:
+    """name -> f(round) giving one round's tok/s with that configuration's request
+    fields (at ``temp``), through ``address`` or the orchestrator its "via" names."""
 
     def run(f: dict, r: int) -> float:
         f = dict(f)

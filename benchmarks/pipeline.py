@@ -22,9 +22,10 @@ import statistics
 import time
 from pathlib import Path
 
-from .common import PROMPTS, Client, machine_info
+from .adaptive_check import rate_fns
+from .common import PROMPTS, machine_info
 from .plain_runs import interleaved, paired, ratios, save_side_by_side, side_by_side_header
-from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
+from .run import DRAFT_CORE, FRONT_NICE, pin_stack, proxied_services
 
 PIPELINED = {"orchestrator.pipeline": "true"}
 
@@ -40,17 +41,7 @@ def configs_for(asked: str, piped: str, temp: float, gammas, prompts, tokens: in
         fields[f"seq{g}"] = {"gamma": g, "overlap": False}
         fields[f"ovl{g}"] = {"gamma": g, "overlap": True}
         fields[f"pipe{g}"] = {"gamma": g, "overlap": True, "via": piped}
-
-    def run(f: dict, r: int) -> float:
-        f = dict(f)
-        c = Client(f.pop("via", asked))
-        try:
-            t = _run_prompts(c, prompts, tokens, {**f, "temperature": temp}, r)
-        finally:
-            c.close()
-        return t["tokens"] / t["wall_s"]
-
-    return {name: (lambda r, f=f: run(f, r)) for name, f in fields.items()}
+    return rate_fns(fields, asked, temp, prompts, tokens)
 
 
 def comparisons(gammas) -> list[tuple[str, str]]:
