@@ -20,6 +20,7 @@ from specdec.sampling import SamplingParams, Verdict
 
 from .conftest import WIRE_TOP_K
 from .stack import local_stack, planted_env
+from .test_bad_input import wait_for_zero_sessions
 from .test_overlap import N, _check, _reference
 
 # At any load (the statistical tests send their requests a few at a time) and at
@@ -130,7 +131,7 @@ def test_greedy_guesses_on_the_demo_pair(tmp_path):
                 assert got == want, gamma
         assert _guesses_used(stack) > 0  # a rejection's block, run at once
         assert _blocks(stack, "follower") > 0
-        _no_sessions_left(stack)
+        wait_for_zero_sessions(stack)
 
 
 def test_greedy_chains_when_every_draft_is_accepted(tmp_path, llama_pair):
@@ -164,18 +165,7 @@ def test_greedy_chains_when_every_draft_is_accepted(tmp_path, llama_pair):
             )
             assert again == want
             assert _blocks(stack, "follower") > 10
-            _no_sessions_left(stack)
-
-
-def _no_sessions_left(stack) -> None:
-    import time
-
-    deadline = time.monotonic() + 10.0  # sessions close just after a request's end
-    while time.monotonic() < deadline:
-        if stack.live_sessions("draft") == 0 and stack.live_sessions("target") == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("sessions left behind")
+            wait_for_zero_sessions(stack)
 
 
 def test_a_pipeline_stops_when_others_start_and_output_does_not_change(tmp_path, llama_pair):
@@ -199,7 +189,7 @@ def test_a_pipeline_stops_when_others_start_and_output_does_not_change(tmp_path,
         first = _blocks(stack, "first")
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(one, range(4)))
-        _no_sessions_left(stack)
+        wait_for_zero_sessions(stack)
     assert alone == want[0] and first >= 1
     assert got == want
 
