@@ -2,7 +2,8 @@
 alternating between them.
 
     python -m benchmarks.against [REV] [--rounds 4] [--prompts 8]
-        [--max-new-tokens 64] [--configs seq4@1 seq4@1-p0.9 ...] [--out DIR]
+        [--max-new-tokens 64] [--configs seq4@1 seq4@1-p0.9 ...]
+        [--rtt-ms 10] [--set section.key=value ...] [--out DIR]
 
 REV's code comes from a git worktree (made in a temporary folder and removed at
 the end; REV must read the services' config this build writes, as recent
@@ -15,6 +16,12 @@ rotates from round to round (``run.measure``). The report gives each configurati
 tokens per second on each side (median of the rounds) and the paired ratio
 this build / REV of every round: on this VM single runs drift by 10-20%, and
 pairs taken minutes apart share most of it.
+
+``--rtt-ms``: as separate machines instead (``benchmarks.pipeline``'s layout):
+each side's draft and target pinned as in ``make bench``, and each side's
+requests through an orchestrator of its own checkout whose every hop, the
+draft's relays included, passes the delay proxy with that added round trip.
+``--set``: service settings for both sides (``orchestrator.pipeline=true``).
 Writes results.json and results.md to the output folder.
 """
 
@@ -28,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from specdec.local.proxy import ProxyGroup
+
 from .common import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -35,10 +44,11 @@ from .common import (
     REPO,
     Client,
     machine_info,
+    service_settings,
     start_services,
 )
 from .plain_runs import paired, side_by_side_header
-from .run import measure
+from .run import DRAFT_CORE, FRONT_NICE, measure, pin_stack, unpin_self
 
 # <mode><gamma>@<temperature>[-k<top_k>][-p<top_p>]: GenerateRequest fields
 CONFIGS: dict[str, dict] = {
@@ -49,7 +59,15 @@ CONFIGS: dict[str, dict] = {
     "plain@1-p0.9": dict(temperature=1.0, gamma=0, top_p=0.9),
     "seq4@1-p0.9": dict(temperature=1.0, gamma=4, top_p=0.9),
     "seq4@1-k50-p0.95": dict(temperature=1.0, gamma=4, top_k=50, top_p=0.95),
+    # drafting ahead (pipelined where ``orchestrator.pipeline`` is set), and adaptive
+    "ovl3@0": dict(temperature=0.0, gamma=3, overlap=True),
+    "ovl4@0": dict(temperature=0.0, gamma=4, overlap=True),
+    "ovl4@1": dict(temperature=1.0, gamma=4, overlap=True),
+    "adaptive@0": dict(temperature=0.0, gamma=None, seed=None),
+    "adaptive@1": dict(temperature=1.0, gamma=None, seed=None),
 }
+# The configurations run when none are named (those before drafting ahead).
+DEFAULT_CONFIGS = [name for name in CONFIGS if not name.startswith(("ovl", "adaptive"))]
 
 
 def _worktree(rev: str, parent: Path) -> Path:
@@ -71,14 +89,31 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     configs = {name: CONFIGS[name] for name in args.configs}
     stacks = {}
+    settings = service_settings(args.set)
+    proxies = ProxyGroup()
     with tempfile.TemporaryDirectory(prefix="specdec-against-") as tmp:
         old = _worktree(args.rev, Path(tmp)) if args.rev else None
         try:
-            for side, repo in zip(SIDES, (old, None), strict=True):
+            order = list(zip(SIDES, (old, None), strict=True))
+            for side, repo in order[::-1] if args.now_first else order:
                 stacks[side] = start_services(
-                    out / side, args.draft, args.target, threads=1, draft_threads=1, repo=repo
+                    out / side, args.draft, args.target, threads=1, draft_threads=1,
+                    settings=settings, repo=repo,
                 )  # fmt: skip
-            clients = {side: Client(stacks[side].address("orchestrator")) for side in SIDES}
+            addresses = {side: stacks[side].address("orchestrator") for side in SIDES}
+            if args.rtt_ms is not None:
+                # Every route and orchestrator first, then the pins: a thread (a
+                # proxy's) or a child process (an orchestrator) made after this
+                # process is pinned inherits its core, one made before does not, and
+                # the side made first ran 5-10% faster in A/A runs.
+                for side, stack in stacks.items():
+                    pd, pt = (proxies.add(stack.address(r)) for r in ("draft", "target"))
+                    addresses[side], _ = stack.start_orchestrator(f"orch-{side}", pd, pt)
+                for stack in stacks.values():
+                    pin_stack(stack)
+                    stack.pin_extra(DRAFT_CORE, FRONT_NICE)
+                proxies.set_rtt_ms(args.rtt_ms)
+            clients = {side: Client(addresses[side]) for side in SIDES}
             info = machine_info("cpu")
             start = time.time()
             # Each configuration once per side, every round; the order rotates (run.measure).
@@ -91,6 +126,8 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for stack in stacks.values():
                 stack.stop()
+            proxies.close()
+            unpin_self()
             if old is not None:
                 for cmd in (["remove", "--force", str(old)], ["prune"]):
                     subprocess.run(["git", "worktree", *cmd], cwd=REPO, check=False)
@@ -111,6 +148,8 @@ def run(args: argparse.Namespace) -> dict:
         "rounds": args.rounds,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "rtt_ms": args.rtt_ms,
+        "settings": args.set,
         "seconds": time.time() - start,
         "rows": rows,
     }
@@ -122,7 +161,13 @@ def report(result: dict) -> str:
         result["machine"],
         f"{result['rounds']} rounds of {result['prompts']} prompts x "
         f"{result['max_new_tokens']} new tokens per configuration and side, the order "
-        f"rotating; {result['seconds']:.0f} s.",
+        f"rotating; {result['seconds']:.0f} s."
+        + (
+            f" Pinned, +{result['rtt_ms']:g} ms round trip on every hop."
+            if result.get("rtt_ms") is not None
+            else " Shared cores, no added round trip."
+        )
+        + (f" Settings: `{' '.join(result['settings'])}`." if result.get("settings") else ""),
     )
     lines += [
         "| configuration | before, tok/s | now, tok/s | now / before, by round | median |",
@@ -143,7 +188,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    ap.add_argument("--rtt-ms", type=float, help="as separate machines, this round trip added")
+    ap.add_argument("--set", nargs="*", default=[], help="section.key=value, both sides")
+    ap.add_argument(
+        "--now-first", action="store_true", help="start this build's side first (see --rtt-ms)"
+    )
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--out", default=f"results/against-{time.strftime('%Y%m%d-%H%M%S')}")

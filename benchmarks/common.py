@@ -241,7 +241,7 @@ def start_services(
     (out / "services.yaml").write_text(path.read_text())
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(path, cfg, log_dir=log_dir)
+    stack = Stack(path, cfg, log_dir=log_dir, repo=repo)
     stack.procs = start_local(str(path), [], log_dir=log_dir, repo=repo)
     return stack
 

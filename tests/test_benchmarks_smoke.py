@@ -192,6 +192,21 @@ def test_against_compares_with_an_older_checkout(tmp_path, llama_pair):
     assert after == before
 
 
+def test_against_as_separate_machines_runs_each_side_through_its_own_proxies(tmp_path):
+    """``benchmarks.against --rtt-ms``: each side pinned, its own orchestrator behind
+    delay proxies, with the settings ``--set`` gives (an A/A run: no REV)."""
+    _run_module(
+        "benchmarks.against", "--rtt-ms", "2", "--set", "orchestrator.pipeline=true",
+        "orchestrator.pipeline_min_rtt_ms=0", "--rounds", "1", "--prompts", "1",
+        "--max-new-tokens", "12", "--configs", "ovl4@0", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["rtt_ms"] == 2 and "orchestrator.pipeline=true" in result["settings"]
+    (row,) = result["rows"].values()
+    assert row["before_tok_s"] > 0 and row["now_tok_s"] > 0
+    assert "+2 ms round trip on every hop" in (tmp_path / "results.md").read_text()
+
+
 def test_step_math_writes_results(tmp_path):
     _run_module(
         "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",

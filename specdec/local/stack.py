@@ -342,6 +342,7 @@ class Stack:
     env: dict[str, str] | None = None
     log_dir: Path | None = None
     extra: list[subprocess.Popen] = field(default_factory=list)
+    repo: Path | None = None  # the checkout its processes run (None: this one)
     ROLES = ROLES  # the order of ``procs``
 
     # ---- where things are --------------------------------------------------------------
@@ -461,6 +462,7 @@ class Stack:
             [f"{k}={v}" for k, v in sets.items()],
             out,
             self.env,
+            self.repo,
         )
         self.extra.append(proc)
         address = f"127.0.0.1:{port}"
