@@ -83,6 +83,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if cursor is None:
                     return None  # dropped: the draft learns why from the verdict before
                 cache_len, pending = cursor.cache_len, cursor.pending
+                tracing.mark(_chain_mark(v.chain))
             pending, drafts = self.svc.check_verify(session, cache_len, pending, v.draft_tokens)
             qs = unpack_q(
                 v.draft_q, self.svc.vocab_size, drafts, head=self.svc.head, params=session.params
@@ -163,6 +164,13 @@ def _follows(last: _Last | None, chain: target_pb2.Chain, cache_len: int, pendin
             return None
         return Cursor(last.end + chain.rejected_at - 1, (token,))  # (settle's)
     return follows_in_full(last.end, last.drafts, judged, u, chain.match, chain.first_token)
+
+
+def _chain_mark(chain: target_pb2.Chain) -> str:
+    """The trace mark of a pipelined block that runs (``benchmarks.pipeline_timeline``)."""
+    if chain.rejected_at:
+        return "chain-guess"
+    return "chain-fresh" if chain.after_rejection else "chain-follower"
 
 
 async def serve(
