@@ -308,6 +308,10 @@ class CostModel:
     drafted_on: _Ewma = field(default_factory=lambda: _Ewma(0.0))
     draft_lead_s: _Ewma = field(default_factory=lambda: _Ewma(0.0))
     rtt_target_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
+    # Greedy pipelined blocks (``orchestrator.pipeline``): of the rejections, the share
+    # whose next block a guess the draft relayed ahead covered (the target went on at
+    # once). Sampled pipelines relay no guesses.
+    guess_cover: _Ewma = field(default_factory=lambda: _Ewma(0.0))
     # Sessions sharing a pass (1: alone).
     target_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
     draft_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
@@ -422,11 +426,14 @@ class CostModel:
         run: int = 1,
         match: bool = False,
         drafted: bool | None = None,
+        pipelined: bool = False,
     ) -> None:
         """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
         ``run`` tokens; ``match``: a greedy one, see ``step_cost``) took ``seconds``.
         ``drafted``: whether it drafted its block (False: drafted ahead during the last
         step's verify); None: unknown, compared with the average step (``step_cost``).
+        ``pipelined``: a step of a pipeline (``drafted``: its block came after the
+        verdict before it), timed from the verdict before it.
 
         The time it is compared with is this step's own: with a block to draft or
         without one, not the average over the two. (Compared with the average, a
@@ -435,16 +442,29 @@ class CostModel:
         not as a dear overlapped one; adaptive requests choose the two unevenly, so
         on the demo pair the calibration read 0.96 for sequential and 1.06 for
         overlapped steps and turned drafting ahead off where it was the fastest.)"""
-        kind = _kind(gamma, overlap)
+        kind = _kind(gamma, overlap, pipelined)
         self.plain_tokens = self.plain_tokens + run if gamma == 0 else 0
         predicted = self.step_cost(
-            gamma, alpha, overlap, calibrated=False, run=run, match=match, drafted=drafted
+            gamma,
+            alpha,
+            overlap,
+            calibrated=False,
+            run=run,
+            match=match,
+            drafted=drafted,
+            pipelined=pipelined,
         )
         if kind not in self.measured_s:
             self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
         self.measured_s[kind].add(seconds)
         self.predicted_s[kind].add(predicted)
         metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
+
+    def observe_guess_cover(self, covered: bool) -> None:
+        """A greedy pipelined block was rejected; ``covered``: the block after it was
+        a guess relayed ahead (else the draft drafted it after the verdict)."""
+        self.guess_cover.add(1.0 if covered else 0.0)
+        metrics.ESTIMATE.labels("pipeline_guess_cover").set(self.guess_cover.value)
 
     def explore(self, requests: int = 1) -> bool:
         """Whether a step the model would decode plain should draft instead,
@@ -514,6 +534,7 @@ class CostModel:
         run: int = 1,
         match: bool = False,
         drafted: bool | None = None,
+        pipelined: bool = False,
     ) -> float:
         """Expected seconds of one step (gamma 0: a plain run of ``run`` tokens),
         scaled by the measured/predicted ratio of its kind of step unless
@@ -521,10 +542,28 @@ class CostModel:
         drafted ahead is one token longer and chains when that token is the bonus.
         ``drafted``: whether the step drafts its block (False: it was drafted ahead);
         None: as it turns out on average (an overlapped step drafts when the one
-        before did not chain, 1 - alpha^gamma of the time)."""
-        scale = self.calibration(_kind(gamma, overlap)) if calibrated else 1.0
+        before did not chain, 1 - alpha^gamma of the time).
+
+        ``pipelined`` (``orchestrator.pipeline``): the draft relays each block ahead,
+        so the target goes from one verdict to the next block's verify at once when
+        that block was relayed ahead: the one that follows a block accepted in full
+        (chance alpha^(gamma + match)) or, greedy, the guess for a rejection (a share
+        ``guess_cover`` of them). Otherwise the step also waits for the verdict's echo
+        to the draft, its drafting and the relay back: a round trip between the two
+        (the one to the draft stands for it) and the drafting. No round trip to this
+        orchestrator: nobody asks for the steps."""
+        scale = self.calibration(_kind(gamma, overlap, pipelined)) if calibrated else 1.0
         if gamma == 0:
             return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
+        if pipelined:
+            wait = self.rtt_draft_s.value + self.draft_cost(gamma)
+            if drafted is None:
+                chained = alpha ** (gamma + match)
+                ready = chained + (1 - chained) * (self.guess_cover.value if match else 0.0)
+                wait *= 1 - ready
+            elif not drafted:
+                wait = 0.0
+            return scale * (self.verify_cost(gamma) + wait)
         verify = self.rtt_target_s.value + self.verify_cost(gamma)
         draft = self.rtt_draft_s.value + self.draft_path_cost(gamma)
         if drafted is not None:
@@ -537,17 +576,25 @@ class CostModel:
         return scale * (verify + drafts + chained * max(0.0, hidden - verify))
 
     def rate(
-        self, gamma: int, alpha: float, overlap: bool, run: int = 1, match: bool = False
+        self,
+        gamma: int,
+        alpha: float,
+        overlap: bool,
+        run: int = 1,
+        match: bool = False,
+        pipelined: bool = False,
     ) -> float:
         """Expected tokens per second of one request (gamma 0: plain runs of ``run``).
         A step that chains (every draft accepted, the next block drafted ahead: chance
         alpha^gamma) emits no bonus token: the next block's first draft is tested at
         that position instead (``orchestrator.step.settle``); with ``match`` (greedy)
-        it keeps the bonus."""
+        it keeps the bonus. ``pipelined``: a step of a pipeline (``step_cost``), which
+        chains the same way."""
         tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
-        if gamma and overlap and not match:
+        if gamma and (overlap or pipelined) and not match:
             tokens -= alpha**gamma
-        return tokens / self.step_cost(gamma, alpha, overlap, run=run, match=match)
+        cost = self.step_cost(gamma, alpha, overlap, run=run, match=match, pipelined=pipelined)
+        return tokens / cost
 
     def choose(
         self,
@@ -557,15 +604,17 @@ class CostModel:
         run: int = 1,
         match: bool = False,
         plain: bool = True,
+        pipelined: bool = False,
     ) -> tuple[int, bool]:
         """The (gamma, overlap) with the highest expected rate, gamma <= limit; a plain
         step would be a run of ``run`` tokens (``plain`` False: the best drafting
-        step); ``match``: a greedy request (``rate``)."""
+        step); ``match``: a greedy request (``rate``); ``pipelined``: a step that drafts
+        ahead would start a pipeline, and is priced as its steps."""
         best = (0, False)
         best_rate = self.rate(0, alpha, False, run) if plain else 0.0
         for gamma in range(1, min(limit, self.max_gamma) + 1):
             for overlap in (False, True) if allow_overlap else (False,):
-                r = self.rate(gamma, alpha, overlap, match=match)
+                r = self.rate(gamma, alpha, overlap, match=match, pipelined=overlap and pipelined)
                 if r > best_rate * 1.0001:
                     best, best_rate = (gamma, overlap), r
         return best
@@ -609,7 +658,9 @@ def load_bucket(requests: int) -> int:
     return min(max(1, requests), 64).bit_length()
 
 
-def _kind(gamma: int, overlap: bool) -> str:
+def _kind(gamma: int, overlap: bool, pipelined: bool = False) -> str:
+    if gamma and pipelined:
+        return "pipelined"
     return "plain" if gamma == 0 else "overlapped" if overlap else "sequential"
 
 
@@ -626,6 +677,8 @@ class RequestPolicy:
     arm: str = "model"  # the PlainGuard arm of the last choice (adaptive requests)
     guard: PlainGuard | None = None  # the check for this step's load (None: off)
     load: int = 1  # requests generating at once (the engine's ``load()``) at this step
+    # A step that drafts ahead would start a pipeline (the engine's ``may_pipeline``).
+    pipelined: bool = False
 
     @property
     def alpha(self) -> float:
@@ -657,11 +710,14 @@ class RequestPolicy:
         # Under load the draft is shared: a block drafted ahead and then discarded
         # delays the other sessions' drafts, which no step's own time shows.
         ahead = self.overlap and self.load <= self.model.overlap_max_requests
-        gamma, overlap = self.model.choose(alpha, limit, ahead, run, self.greedy)
+        piped = ahead and self.pipelined
+        gamma, overlap = self.model.choose(alpha, limit, ahead, run, self.greedy, pipelined=piped)
         if gamma == 0 and limit > 0 and self.model.explore(self.load):
             # Keep alpha and the draft's costs current, with the draft that would be
             # chosen if drafting paid: the drafts it judges are the evidence.
-            gamma, overlap = self.model.choose(alpha, limit, ahead, 1, self.greedy, False)
+            gamma, overlap = self.model.choose(
+                alpha, limit, ahead, 1, self.greedy, False, pipelined=piped
+            )
         metrics.CHOSEN_GAMMA.observe(gamma)
         return gamma, overlap
 

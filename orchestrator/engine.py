@@ -461,6 +461,7 @@ class Generation:
         tracing.mark("step")
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
+        self.policy.pipelined = self.may_pipeline()
         draft_seed = self.next_draft_seed
         ahead_seed, target_seed, self.next_draft_seed = seeds(self.rng, 3)
         proposal, self.ahead = self.ahead, None
@@ -519,6 +520,7 @@ class Generation:
                 if self.pipe is not None:
                     if relayed:  # its verdict, and those of the steps after it, will come
                         metrics.RELAYED_STEPS.labels("relayed").inc()
+                        self.observe_draft(proposal, time.perf_counter() - t0)
                         return await self.follow(t0)
                     self.stop_pipeline()
                 if relay is not None:
@@ -619,18 +621,25 @@ class Generation:
 
     # ---- pipelined speculation -------------------------------------------------------
     def pipelines(self, remaining: int, gamma: int) -> bool:
-        """Whether this overlapped step starts a pipeline (``orchestrator.pipeline``):
-        at light load (a pipeline takes the draft's and the target's time without
-        asking) and with a long hop to the draft (``pipeline_starts``), with tokens
-        for more than one step, and with neither rollbacks between steps nor dense
-        diagnostics."""
+        """Whether this overlapped step starts a pipeline (``may_pipeline``), with
+        tokens for more than one step."""
+        return self.may_pipeline() and remaining > gamma + 1
+
+    def may_pipeline(self) -> bool:
+        """Whether a step that drafts ahead would start a pipeline now
+        (``orchestrator.pipeline``): its proposal relayed, at light load (a pipeline
+        takes the draft's and the target's time without asking), with a long hop to
+        the draft (``pipeline_starts``), and with neither rollbacks between steps nor
+        dense diagnostics. The adaptive policy prices such a step as a pipeline's."""
         o = self.o
         return (
             o.pipeline
+            and o.relay
+            and self.draft is not None
             and not o.explicit_rollback
             and not self.spec.dense
+            and self.relay_pays()
             and self.pipeline_starts()
-            and remaining > gamma + 1
         )
 
     def pipeline_pays(self) -> bool:
@@ -667,6 +676,7 @@ class Generation:
             self.stop_pipeline()
             return await self.step()
         tracing.mark("follow")
+        index = pipe.index
         expected = {pipeline_draws(pipe.key, pipe.index, k, 0)[1]: k for k in pipe.kinds}
         seed = fallback_seed(next(iter(expected)))  # (a plain step's, if the pipeline is lost)
         try:
@@ -681,6 +691,8 @@ class Generation:
             drafts, u, nxt, kind = [], [], 0, FRESH
         else:
             kind = expected[verdict.seed]
+            if GUESS in expected.values():  # the block before was rejected
+                self.orch.cost.observe_guess_cover(kind == GUESS)
             if kind == FOLLOWER and pipe.matched is not None:  # the greedy block before matched
                 self.draft.cursor = pipe.matched
             drafts = verdict.drafts
@@ -718,6 +730,16 @@ class Generation:
                 self.pipe = None
         t2 = time.perf_counter()
         self.observe(None, verdict, 0.0, t1 - t0, relayed=True)
+        if index and drafts:  # (the first block's time includes its propose)
+            self.orch.cost.observe_step(
+                len(drafts),
+                True,
+                self.policy.alpha,
+                t2 - t0,
+                match=match,
+                drafted=kind == FRESH,
+                pipelined=True,
+            )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, 0.0, t1 - t0, 0.0, t2 - t0)
         tracing.mark("settled")
@@ -766,15 +788,7 @@ class Generation:
         cost = self.orch.cost
         self.stats.target_forward_s += verdict.forward_s
         if drafted is not None:
-            self.stats.draft_forward_s += drafted.forward_s
-            cost.observe_draft(
-                len(drafted.tokens),
-                t_propose,
-                drafted.compute_s,
-                drafted.forward_s,
-                drafted.batch_tokens,
-                drafted.lead_s,
-            )
+            self.observe_draft(drafted, t_propose)
         cost.observe_verify(
             len(verdict.p_draft),
             t_verify,
@@ -783,6 +797,19 @@ class Generation:
             verdict.batch_tokens,
             passes=1 + len(verdict.run_tokens),
             rtt=not relayed,
+        )
+
+    def observe_draft(self, drafted, t_propose: float) -> None:
+        """Feed the cost model with a propose call's times (``t_propose``: its wall
+        time here)."""
+        self.stats.draft_forward_s += drafted.forward_s
+        self.orch.cost.observe_draft(
+            len(drafted.tokens),
+            t_propose,
+            drafted.compute_s,
+            drafted.forward_s,
+            drafted.batch_tokens,
+            drafted.lead_s,
         )
 
     def record_step(

@@ -481,3 +481,73 @@ def test_an_exploring_step_drafts_what_the_model_would_if_drafting_paid():
     best = m.choose(policy.alpha, 8, True, plain=False)
     assert best[0] >= 1 and policy.choose(8, run=8) == best
     assert policy.choose(8, run=8) == (0, False)  # the next one decodes plain again
+
+
+# ---- pipelined steps (orchestrator.pipeline) ---------------------------------------------
+
+
+def test_a_pipelined_step_waits_for_the_draft_only_when_its_block_was_not_relayed_ahead():
+    """A pipeline's step costs the verify; when the block before it was not accepted in
+    full (and, greedy, no guess covered the rejection) also a round trip to the draft
+    and the drafting, never a round trip to the orchestrator."""
+    m = model(rtt=0.010)
+    verify, wait = m.verify_cost(4), m.rtt_draft_s.value + m.draft_cost(4)
+    assert m.step_cost(4, 0.8, True, pipelined=True, drafted=False) == pytest.approx(verify)
+    assert m.step_cost(4, 0.8, True, pipelined=True, drafted=True) == pytest.approx(verify + wait)
+    ready = 0.8**4
+    want = verify + (1 - ready) * wait
+    assert m.step_cost(4, 0.8, True, calibrated=False, pipelined=True) == pytest.approx(want)
+    # Greedy: the follower chains with its bonus matched, and guesses cover rejections.
+    m.guess_cover.value = 0.7
+    ready = 0.8**5 + (1 - 0.8**5) * 0.7
+    got = m.step_cost(4, 0.8, True, calibrated=False, match=True, pipelined=True)
+    assert got == pytest.approx(verify + (1 - ready) * wait)
+    assert m.rate(4, 0.8, True, pipelined=True) == pytest.approx(
+        (expected_tokens_per_step(0.8, 4) - 0.8**4) / m.step_cost(4, 0.8, True, pipelined=True)
+    )
+
+
+def test_at_a_long_round_trip_a_pipeline_beats_the_plain_runs_that_steps_it_asks_for_lose_to():
+    """At 10 ms a round trip, plain runs of 8 beat a fair draft's steps that pay the
+    round trip each (``test_plain_runs_pay_the_round_trip_once``); priced as a
+    pipeline's, the same draft wins, drafting ahead."""
+    m = model(rtt=0.010)
+    assert m.choose(0.7, 16, True, run=8) == (0, False)
+    gamma, overlap = m.choose(0.7, 16, True, run=8, pipelined=True)
+    assert gamma > 0 and overlap
+    assert m.rate(gamma, 0.7, True, pipelined=True) > m.rate(0, 0.7, False, run=8)
+
+
+def test_guesses_that_cover_greedy_rejections_make_greedy_pipelines_cheaper():
+    m = model(rtt=0.010)
+    m.observe_guess_cover(False)
+    without = m.rate(4, 0.7, True, match=True, pipelined=True)
+    for _ in range(100):
+        m.observe_guess_cover(True)
+    assert m.guess_cover.value > 0.95
+    assert m.rate(4, 0.7, True, match=True, pipelined=True) > 1.3 * without
+    assert m.rate(4, 0.7, True, pipelined=True) == pytest.approx(
+        model(rtt=0.010).rate(4, 0.7, True, pipelined=True)
+    )  # sampled pipelines relay no guesses
+
+
+def test_pipelined_steps_are_calibrated_as_their_own_kind():
+    m = model(rtt=0.010)
+    for _ in range(50):  # measured twice as long as modelled, waiting or not
+        for drafted in (True, False):
+            cost = m.step_cost(4, 0.8, True, calibrated=False, pipelined=True, drafted=drafted)
+            m.observe_step(4, True, 0.8, 2 * cost, drafted=drafted, pipelined=True)
+    assert m.calibration("pipelined") == pytest.approx(2.0, rel=0.01)
+    assert m.calibration("overlapped") == 1.0
+    assert m.step_cost(4, 0.8, True, pipelined=True) == pytest.approx(
+        2 * m.step_cost(4, 0.8, True, calibrated=False, pipelined=True), rel=0.01
+    )
+
+
+def test_an_adaptive_request_prices_drafting_ahead_as_a_pipeline_only_where_one_would_start():
+    m = model(rtt=0.010)
+    policy = RequestPolicy(m, gamma=None, overlap=True)
+    assert policy.choose(16, run=8) == (0, False)
+    policy.pipelined = True
+    gamma, overlap = policy.choose(16, run=8)
+    assert gamma > 0 and overlap

@@ -113,6 +113,19 @@ def test_greedy_equals_generate_pipelined(piped, llama_pair):
     assert piped.live_sessions("draft") == 0 and piped.live_sessions("target") == 0
 
 
+def test_pipelined_steps_feed_the_adaptive_cost_model(piped, llama_pair):
+    """A pipeline's steps are timed and priced as their own kind, its first propose's
+    costs are learnt, and greedy rejections tell how many the guesses covered: the
+    adaptive policy prices drafting ahead as a pipeline's steps from these."""
+    _, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("the cost of a pipelined step")
+    piped.generate_raw(prompt=ids, max_new_tokens=40, temperature=0.0, gamma=3, overlap=True)
+    estimate = "specdec_adaptive_estimate"
+    assert piped.metric("orchestrator", estimate, 'quantity="step_time_ratio_pipelined"') > 0
+    assert piped.metric("orchestrator", estimate, 'quantity="draft_token_seconds"') > 0
+    assert 0 <= piped.metric("orchestrator", estimate, 'quantity="pipeline_guess_cover"') <= 1
+
+
 def test_greedy_guesses_on_the_demo_pair(tmp_path):
     """On the bundled demo pair the draft's second choice is the target's token at
     most greedy rejections, so guessed blocks run at once; output is still
