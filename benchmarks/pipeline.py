@@ -25,6 +25,7 @@ from pathlib import Path
 from .adaptive_check import rate_fns
 from .common import PROMPTS, machine_info
 from .plain_runs import interleaved, paired, ratios, save_side_by_side, side_by_side_header
+from .report import held_out_best
 from .run import DRAFT_CORE, FRONT_NICE, pin_stack, proxied_services
 
 PIPELINED = {"orchestrator.pipeline": "true"}
@@ -50,6 +51,18 @@ def comparisons(gammas) -> list[tuple[str, str]]:
         out += [(f"pipe{g}", f"ovl{g}"), (f"pipe{g}", f"seq{g}"), (f"pipe{g}", "plain")]
     out += [("adaptive-pipe", "adaptive"), ("adaptive-pipe", "plain"), ("adaptive", "plain")]
     return out
+
+
+def held_out(rates: dict[str, list[float]]) -> dict:
+    """Adaptive against the best fixed gamma, held out (``report.held_out_best``): with
+    pipelines against every fixed configuration, without against those of the
+    orchestrator without them."""
+    asked = {k: v for k, v in rates.items() if k.startswith(("seq", "ovl"))}
+    fixed = asked | {k: v for k, v in rates.items() if k.startswith("pipe")}
+    return {
+        "adaptive-pipe": held_out_best(rates["adaptive-pipe"], fixed),
+        "adaptive": held_out_best(rates["adaptive"], asked),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"+{rtt:g} ms, T={temp:g}"
                 configs = configs_for(asked, piped, temp, args.gammas, prompts, args.max_new_tokens)
                 rates = interleaved(configs, args.repeats)
-                results[key] = {"rates": rates}
+                results[key] = {"rates": rates, "held_out": held_out(rates)}
                 line = ", ".join(
                     f"{a}/{b} {paired(rates[a], rates[b]):.3f}" for a, b in comparisons(args.gammas)
                 )
@@ -117,6 +130,21 @@ def main(argv: list[str] | None = None) -> int:
             per = ratios(rates[a], rates[b])
             cells.append(f"**{statistics.median(per):.2f}** ({min(per):.2f}-{max(per):.2f})")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Adaptive against the best fixed gamma, held out (each round against the "
+        "configuration fastest over the other rounds):",
+        "",
+        "| point | adaptive-pipe / best fixed (picks) | adaptive / best fixed without pipelines |",
+        "|---|---|---|",
+    ]
+    for key, point in results.items():
+        a, b = point["held_out"]["adaptive-pipe"], point["held_out"]["adaptive"]
+        lines.append(
+            f"| {key} | **{a['ratio']:.2f}** ({min(a['ratios']):.2f}-{max(a['ratios']):.2f}; "
+            f"{', '.join(sorted(set(a['picks'])))}) | **{b['ratio']:.2f}** "
+            f"({min(b['ratios']):.2f}-{max(b['ratios']):.2f}) |"
+        )
     names = list(next(iter(results.values()))["rates"]) if results else []
     lines += ["", "Median tok/s:", ""]
     lines += ["| point | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
