@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.step import Cursor, follows_in_full, pipeline_draws, pipeline_gamma, settle
+from orchestrator.step import (
+    Cursor,
+    follows_in_full,
+    guess_holds,
+    pipeline_draws,
+    pipeline_gamma,
+    settle,
+)
 from specdec.runtime.loading import load_tokenizer
 from specdec.sampling import SamplingParams, Verdict
 
@@ -83,6 +90,27 @@ def test_the_targets_follow_test_is_settles(match):
             assert (got is not None) == out.chained, (p, bonus)
             if got is not None:
                 assert got == out.target
+
+
+def test_the_targets_guess_test_is_settles():
+    """``guess_holds`` (the target's test of a guess for the rejection of draft j with
+    token y) holds exactly when ``settle`` rejects draft j and emits y there, and the
+    cursors a guess is drafted and run from are the ones ``settle`` returns."""
+    target, draft = Cursor(10, (5,)), Cursor(9, (4, 5))
+    drafts = [6, 7, 8]
+    u = [0.5, 0.5, 0.5]
+    residuals = [21, 22, 23]
+    for p in ([0.9, 0.9, 0.9], [0.1, 0.9, 0.9], [0.9, 0.2, 0.9], [0.9, 0.9, 0.1]):
+        verdict = Verdict(p, [0.6, 0.6, 0.6], residuals, 11)
+        out = settle(target, draft, drafts, verdict, u)
+        for rejected_at in (1, 2, 3):
+            for token in (residuals[rejected_at - 1], 99):
+                got = guess_holds(len(drafts), verdict, u, rejected_at, token)
+                want = out.accepted == rejected_at - 1 < len(drafts) and out.tokens[-1] == token
+                assert got == want, (p, rejected_at, token)
+                if got:  # the target's and the draft's cursors for the guess (pipeline.py)
+                    assert Cursor(target.end + rejected_at - 1, (token,)) == out.target
+                    assert Cursor(draft.end + rejected_at - 1, (token,)) == out.draft
 
 
 # ---- through the services ----------------------------------------------------------------
