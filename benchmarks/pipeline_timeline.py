@@ -38,7 +38,7 @@ from specdec import tracing
 from .common import PROMPTS, Client, finish, machine_info
 from .plain_runs import side_by_side_header
 from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
-from .timeline import Mark, read_marks
+from .timeline import Mark, fresh_trace_dir, read_marks
 
 # The fresh block's path, mark by mark (the segments are the gaps between them).
 FRESH_PATH = (
@@ -172,10 +172,7 @@ def analyse(marks: list[Mark], spans: list[tuple[float, float]]) -> dict:
 
 def run(args) -> dict:
     out = Path(args.out)
-    trace_dir = out / "trace"
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    for old in trace_dir.glob("*.trace"):
-        old.unlink()
+    trace_dir = fresh_trace_dir(out)
     info = machine_info("cpu")
     fields: dict = {"gamma": args.gamma, "overlap": True} if args.gamma else {"gamma": None}
     fields["temperature"] = args.temperature

@@ -166,12 +166,18 @@ def critical_path(steps: list[list[Mark]]) -> dict:
     return out
 
 
-def run(args) -> dict:
-    out = Path(args.out)
+def fresh_trace_dir(out: Path) -> Path:
+    """``out/trace``, made and emptied of an earlier run's marks."""
     trace_dir = out / "trace"
     trace_dir.mkdir(parents=True, exist_ok=True)
     for old in trace_dir.glob("*.trace"):
         old.unlink()
+    return trace_dir
+
+
+def run(args) -> dict:
+    out = Path(args.out)
+    trace_dir = fresh_trace_dir(out)
     info = machine_info("cpu")
     os.environ[tracing.ENV] = str(trace_dir)
     try:
