@@ -169,42 +169,32 @@ def test_delay_proxy_forwards_and_delays():
         srv.close()
 
 
-def test_against_compares_with_an_older_checkout(tmp_path, llama_pair):
-    """``benchmarks.against REV``: REV's services from a git worktree beside this
-    build's, requests alternating; the worktree is gone afterwards."""
+def test_against_compares_with_an_older_checkout_as_separate_machines(tmp_path, llama_pair):
+    """``benchmarks.against REV --rtt-ms``: REV's services from a git worktree beside
+    this build's, each side pinned, its own orchestrator behind delay proxies, with the
+    settings ``--set`` gives, requests alternating; the worktree is gone afterwards.
+    (One run for both: each stack costs seconds to start.)"""
     draft, target = llama_pair
     before = subprocess.run(
         ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     _run_module(
-        "benchmarks.against", "HEAD", "--rounds", "2", "--prompts", "1",
-        "--max-new-tokens", "4", "--configs", "seq4@1", "plain@1-p0.9",
+        "benchmarks.against", "HEAD", "--rtt-ms", "2", "--set", "orchestrator.pipeline=true",
+        "orchestrator.pipeline_min_rtt_ms=0", "--rounds", "2", "--prompts", "1",
+        "--max-new-tokens", "6", "--configs", "ovl4@0", "plain@1-p0.9",
         "--draft", str(draft), "--target", str(target), "--out", str(tmp_path), timeout=300,
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
-    assert result["against"] == "HEAD" and list(result["rows"]) == ["seq4@1", "plain@1-p0.9"]
+    assert result["against"] == "HEAD" and list(result["rows"]) == ["ovl4@0", "plain@1-p0.9"]
+    assert result["rtt_ms"] == 2 and "orchestrator.pipeline=true" in result["settings"]
     for row in result["rows"].values():
         assert len(row["ratios"]) == 2 and row["before_tok_s"] > 0 and row["now_tok_s"] > 0
-    assert "| seq4@1 |" in (tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "| ovl4@0 |" in md and "+2 ms round trip on every hop" in md
     after = subprocess.run(
         ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     assert after == before
-
-
-def test_against_as_separate_machines_runs_each_side_through_its_own_proxies(tmp_path):
-    """``benchmarks.against --rtt-ms``: each side pinned, its own orchestrator behind
-    delay proxies, with the settings ``--set`` gives (an A/A run: no REV)."""
-    _run_module(
-        "benchmarks.against", "--rtt-ms", "2", "--set", "orchestrator.pipeline=true",
-        "orchestrator.pipeline_min_rtt_ms=0", "--rounds", "1", "--prompts", "1",
-        "--max-new-tokens", "12", "--configs", "ovl4@0", "--out", str(tmp_path), timeout=300,
-    )  # fmt: skip
-    result = json.loads((tmp_path / "results.json").read_text())
-    assert result["rtt_ms"] == 2 and "orchestrator.pipeline=true" in result["settings"]
-    (row,) = result["rows"].values()
-    assert row["before_tok_s"] > 0 and row["now_tok_s"] > 0
-    assert "+2 ms round trip on every hop" in (tmp_path / "results.md").read_text()
 
 
 def test_step_math_writes_results(tmp_path):
