@@ -35,7 +35,7 @@ from pathlib import Path
 
 from specdec import tracing
 
-from .common import PROMPTS, Client, finish, machine_info
+from .common import PROMPTS, Client, finish, machine_info, service_settings
 from .plain_runs import side_by_side_header
 from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
 from .timeline import Mark, fresh_trace_dir, read_marks
@@ -180,7 +180,7 @@ def run(args) -> dict:
     spans, tokens = [], 0.0
     os.environ[tracing.ENV] = str(trace_dir)
     try:
-        with proxied_services(out) as (stack, proxies, pd, pt):
+        with proxied_services(out, service_settings(args.set)) as (stack, proxies, pd, pt):
             sets = {"orchestrator.pipeline": "true", "orchestrator.pipeline_min_rtt_ms": "0"}
             address, _ = stack.start_orchestrator("orchestrator-piped", pd, pt, sets)
             del os.environ[tracing.ENV]
@@ -195,6 +195,12 @@ def run(args) -> dict:
                     t = _run_prompts(client, prompts, args.max_new_tokens, fields, r + 1)
                     spans.append((t0, time.perf_counter()))
                     tokens += t["tokens"]
+                counts = {
+                    f"lookahead {o}": stack.metric(
+                        "target", "specdec_model_lookahead_tokens_total", f'outcome="{o}"'
+                    )
+                    for o in ("decoded", "used")
+                }
             finally:
                 client.close()
     finally:
@@ -202,7 +208,7 @@ def run(args) -> dict:
     info["load_average_end"] = list(os.getloadavg())
     result = analyse(read_marks(trace_dir), spans)
     result["tok_s"] = tokens / result["wall_s"]
-    return {"machine": info, "args": vars(args), **result}
+    return {"machine": info, "args": vars(args), **result, "counts": counts}
 
 
 def report(result: dict) -> str:
@@ -213,11 +219,17 @@ def report(result: dict) -> str:
         result["machine"],
         f"+{a['rtt_ms']:g} ms round trip on every hop, T={a['temperature']:g}, {mode}, "
         f"{a['rounds']} rounds of {a['prompts']} prompts x {a['max_new_tokens']} tokens, "
-        "pinned as in `make bench`.",
+        "pinned as in `make bench`."
+        + (f" Settings: `{' '.join(a['set'])}`." if a.get("set") else ""),
     )
     lines += [
         f"{result['tok_s']:.1f} tok/s; the target in forward passes "
         f"{result['target_busy_share']:.0%} of the wall time ({result['passes']} passes).",
+        "",
+        "Counters: "
+        + ", ".join(f"{k} {v:g}" for k, v in result.get("counts", {}).items())
+        + " (`target.lookahead_tokens`: passes of the target's own continuation, and "
+        "the tokens of it verifies used).",
         "",
         "| idle gap before a pass that ran | passes | median ms | p25 | p75 | total s |",
         "|---|---|---|---|---|---|",
@@ -249,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="per round, one after the other")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--set", nargs="*", default=[], help="section.key=value for the services (target...)"
+    )
     ap.add_argument("--out", default=f"results/pipeline-timeline-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     return finish(Path(args.out), run(args), report)

@@ -350,13 +350,15 @@ def hf_benchmark(
 
 # ---- 3/4. the services --------------------------------------------------------------------
 @contextlib.contextmanager
-def proxied_services(out: Path) -> Iterator[tuple]:
+def proxied_services(out: Path, settings: dict[str, dict] | None = None) -> Iterator[tuple]:
     """One draft and one target (one thread each), each behind a delay proxy:
     (stack, proxies, draft's proxied address, target's). Stopped, and this process
-    unpinned, on the way out."""
+    unpinned, on the way out. ``settings``: as ``start_services`` takes them."""
     from .common import DEFAULT_DRAFT, DEFAULT_TARGET, start_services
 
-    stack = start_services(out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1)
+    stack = start_services(
+        out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1, settings=settings
+    )
     proxies = ProxyGroup()
     try:
         pd, pt = proxies.add(stack.address("draft")), proxies.add(stack.address("target"))

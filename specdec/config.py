@@ -128,6 +128,11 @@ class ModelServiceConfig:
     sampled_guesses: int = 0
     # ... copying at most this many MB of cache per step (fewer guesses past it).
     guess_copy_mb: float = 64.0
+    # Target only: in a greedy pipeline (orchestrator.pipeline), while no block waits
+    # after a verdict, decode up to this many tokens on its own from the cursor the
+    # verdict left; the next block's drafts are judged against them, and a rejection
+    # among them is answered with no forward pass (target_service/verifier.py). 0: off.
+    lookahead_tokens: int = 0
 
 
 @dataclass
@@ -383,6 +388,7 @@ _NON_NEGATIVE = {
     "guesses",
     "sampled_guesses",
     "guess_copy_mb",
+    "lookahead_tokens",
 }
 
 
@@ -469,6 +475,9 @@ def _validate(cfg: Config) -> None:
         if getattr(cfg.draft, key) > MAX_GAMMA:
             got = getattr(cfg.draft, key)
             raise ConfigError(f"draft.{key}: must be <= {MAX_GAMMA}, got {got}")
+    if cfg.target.lookahead_tokens > MAX_GAMMA:
+        got = cfg.target.lookahead_tokens
+        raise ConfigError(f"target.lookahead_tokens: must be <= {MAX_GAMMA}, got {got}")
     if cfg.gateway.chat_template not in CHAT_TEMPLATES:
         raise ConfigError(
             f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "

@@ -285,6 +285,14 @@ RESIDUAL_GUESSES = Counter(
     ["outcome"],
     registry=None,
 )
+LOOKAHEAD_TOKENS = Counter(
+    "specdec_model_lookahead_tokens_total",
+    "Greedy pipelined sessions (target.lookahead_tokens): tokens the target decoded on "
+    "its own while it waited for the next block (decoded), and of those, the ones whose "
+    "p a verify then used instead of a forward position (used).",
+    ["outcome"],
+    registry=None,
+)
 RELAY_REFUSALS = Counter(
     "specdec_model_relay_refusals_total",
     "Proposals this draft relayed that the target refused (no such session there, or "
@@ -388,6 +396,7 @@ _MODEL_METRICS = (
     PIPELINE_BLOCKS,
     DRAFT_GUESSES,
     RESIDUAL_GUESSES,
+    LOOKAHEAD_TOKENS,
     BATCH_SESSIONS,
     BATCH_TOKENS,
     QUEUE_WAIT,

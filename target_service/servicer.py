@@ -29,7 +29,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Session(self, requests, context):
         async for reply in session_stream(
-            self.svc, requests, self.svc.cfg.session_ttl_s, self._open, self._step, self.inboxes
+            self.svc,
+            requests,
+            self.svc.cfg.session_ttl_s,
+            self._open,
+            self._step,
+            self.inboxes,
+            self.svc.decode_ahead,
         ):
             yield reply
 
@@ -122,10 +128,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 out.draft_tokens.extend(drafts)
             # What a pipelined block that follows this verify is judged on.
             session.extra.verify = _Last(v.seed, cache_len + len(pending), len(drafts), out)
+            if v.pipeline:  # greedy: decode on from where this leaves the target, meanwhile
+                self.svc.begin_ahead(session, *_greedy_cursor(cache_len + len(pending), out))
             tracing.mark("reply")
             return target_pb2.TargetReply(verdict=out)
         if kind == "rollback":
-            session.extra.verify = None  # no pipelined block follows across a rollback
+            # No pipelined block follows across a rollback, nor a continuation of its own.
+            session.extra.verify = session.extra.ahead = None
             removed = self.svc.rollback(session, m.rollback.cache_len)
             return target_pb2.TargetReply(
                 rolled_back=common_pb2.RolledBack(cache_len=session.length, removed=removed)
@@ -164,6 +173,15 @@ def _follows(last: _Last | None, chain: target_pb2.Chain, cache_len: int, pendin
             return None
         return Cursor(last.end + chain.rejected_at - 1, (token,))  # (settle's)
     return follows_in_full(last.end, last.drafts, judged, u, chain.match, chain.first_token)
+
+
+def _greedy_cursor(end: int, v: target_pb2.Verdict) -> tuple[int, int]:
+    """Where a greedy verdict leaves the target: (cache length, pending token). Only
+    for greedy verdicts (p_draft is 1 or 0; ``begin_ahead`` ignores any other)."""
+    n = next((i for i, p in enumerate(v.p_draft) if p < 1.0), len(v.p_draft))
+    if n < len(v.p_draft):
+        return end + n, v.residual_tokens[n]
+    return end + n, v.bonus_token
 
 
 def _chain_mark(chain: target_pb2.Chain) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from specdec.model_service import ModelService
 from specdec.rng import uniforms
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed
-from specdec.sampling import SparseQ, Verdict, verify_draft
+from specdec.sampling import SparseQ, Verdict, drafted_probs, greedy_tokens, verify_draft
 from specdec.sessions import Session
 
 
@@ -40,6 +40,26 @@ class LastLogits:
     # The session's last verify, as a pipelined block that follows it is judged
     # (``target_service.servicer``).
     verify: Any = None
+    ahead: Ahead | None = None  # greedy, pipelined: the target's own continuation
+
+
+@dataclass
+class Ahead:
+    """Greedy, in a pipeline: the target's own continuation from the cursor its last
+    verdict left, (``cache_len``, ``fed[0]``), decoded a token a pass while no block
+    waits (``Verifier.decode_ahead``). ``rows[j]`` are the logits after ``fed[j]``,
+    and ``fed[j + 1]`` is their argmax; ``fed[:len(rows)]`` are in the cache.
+
+    Why the verdict does not change: a greedy verify of x_1..x_gamma from that cursor
+    accepts x_i while it equals the argmax of the p before it and answers the first
+    other position with that argmax. Where x_1..x_j equal fed[1..j], the p before
+    each of them is ``rows`` (the same tokens after the same cache), so the verify
+    reads those rows instead of computing them again; a rejection among them is
+    answered with no forward pass at all."""
+
+    cache_len: int
+    fed: list[int]
+    rows: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
 
 
 class Verifier(ModelService):
@@ -96,6 +116,19 @@ class Verifier(ModelService):
             self.check_room("run_tokens", cache_len + len(pending) + run - 1)
         start = time.perf_counter()
         last: LastLogits = session.extra
+        ahead, last.ahead = last.ahead, None
+        if (
+            ahead is not None
+            and ahead.rows
+            and session.params.greedy
+            and run == 1
+            and not dense_p
+            and (cache_len, list(pending)) == (ahead.cache_len, ahead.fed[:1])
+        ):
+            verdict = await self._verify_ahead(session, ahead, drafts, qs)
+            self.sessions.update_gauges()
+            verdict.compute_s = time.perf_counter() - start
+            return verdict
         if not pending and (last.length != cache_len or last.rows is None):
             raise FailedPrecondition(
                 f"pending_tokens: empty, but the session's last pass did not end at "
@@ -132,6 +165,75 @@ class Verifier(ModelService):
                 f"({x}) can draw",
             )
         return guesses
+
+    def begin_ahead(self, session: Session, cache_len: int, token: int) -> None:
+        """Greedy, pipelined: the verdict just sent left the target's cursor at
+        (``cache_len``, ``token``); decode from there while no block waits."""
+        a: Ahead | None = session.extra.ahead
+        if a is not None and (a.cache_len, a.fed[0]) == (cache_len, token):
+            return  # the rest of the continuation it answered from
+        if self.cfg.lookahead_tokens and session.params.greedy and token not in self.eos:
+            session.extra.ahead = Ahead(cache_len, [token])
+
+    async def decode_ahead(self, session: Session) -> bool:
+        """Decode the session's next token of its own continuation (``Ahead``), if it
+        has one with room for more; returns whether it ran a pass."""
+        a: Ahead | None = session.extra.ahead
+        if a is None or len(a.rows) >= self.cfg.lookahead_tokens or a.fed[-1] in self.eos:
+            return False
+        at = a.cache_len + len(a.rows)  # the cache holds fed[:len(rows)] after cache_len
+        if at + 1 > self.max_context or at > session.length:
+            session.extra.ahead = None
+            return False
+        self.roll_back_to(session, at)  # (the first time: the verify's rejected drafts)
+        logits = await self.run(self._feed_ahead(session, a.fed[-1]), "decode")  # [1, vocab]
+        metrics.LOOKAHEAD_TOKENS.labels("decoded").inc()
+        if session.extra.ahead is a:
+            a.rows.append(logits)
+            a.fed.append(int(greedy_tokens(logits)[0]))
+        self.sessions.update_gauges()
+        return True
+
+    def _feed_ahead(self, session: Session, token: int) -> Job:
+        return (yield Feed(session.kv, [token], 1))  # [1, vocab]
+
+    async def _verify_ahead(self, session: Session, a: Ahead, drafts, qs) -> Verdict:
+        """A greedy verify from the cursor ``a`` starts at (see ``Ahead``)."""
+        gamma, k, t = len(drafts), len(a.rows), a.fed[1:]  # t: the argmax after each row
+        last: LastLogits = session.extra
+        end = a.cache_len + 1 + gamma  # the cache length a verify reports
+        i = next((i for i in range(min(gamma, k)) if drafts[i] != t[i]), None)
+        if i is not None or gamma < k:  # the verdict is all in the rows: no pass
+            # x_{i+1} rejected, or every draft accepted and the bonus known: the target
+            # goes on from t[n] (n: the tokens accepted), and its continuation after
+            # that is the rest of this one, already in the cache.
+            n = gamma if i is None else i
+            metrics.LOOKAHEAD_TOKENS.labels("used").inc(n + 1)
+            # Positions past the first rejection are never read (residual_tokens is used
+            # only there, bonus_token only if none is rejected); they repeat its token.
+            verdict = Verdict(
+                p_draft=[1.0] * n + [0.0] * (gamma - n),
+                q_draft=drafted_probs(qs, drafts),
+                residual_tokens=t[:n] + [t[n]] * (gamma - n),
+                bonus_token=t[n],
+            )
+            last.ahead = Ahead(a.cache_len + 1 + n, a.fed[n + 1 :], a.rows[n + 1 :])
+            last.rows, last.length = None, -1  # (no pass ended at the reported length)
+            verdict.cache_len = end
+            return verdict
+        # x_1..x_k are the rows' tokens: feed x_k..x_gamma for the rest
+        metrics.LOOKAHEAD_TOKENS.labels("used").inc(k)
+        more, forward = await self.run(self._feed(session, drafts[k - 1 :]), "verify")
+        logits = torch.cat([*a.rows, more])  # [gamma + 1, vocab]
+        last.rows, last.length = logits, session.length
+        verdict = verify_draft(logits, drafts, qs, session.params, None)
+        verdict.cache_len = session.length
+        verdict.forward_s, verdict.batch_tokens = forward.seconds, forward.tokens
+        return verdict
+
+    def _feed(self, session: Session, tokens: list[int]) -> Job:
+        logits = yield Feed(session.kv, tokens, len(tokens))  # [len(tokens), vocab]
+        return logits, self.loop.last_batch
 
     def roll_back_to(self, session: Session, cache_len: int) -> int:
         removed = super().roll_back_to(session, cache_len)

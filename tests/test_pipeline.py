@@ -44,6 +44,10 @@ def _guesses_used(stack) -> float:
     return stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
 
 
+def _lookahead(stack, outcome: str) -> float:
+    return stack.metric("target", "specdec_model_lookahead_tokens_total", f'outcome="{outcome}"')
+
+
 def _blocks(stack, kind: str) -> float:
     return stack.metric("draft", "specdec_model_pipeline_blocks_total", f'kind="{kind}"')
 
@@ -154,15 +158,19 @@ def test_pipelined_steps_feed_the_adaptive_cost_model(piped, llama_pair):
     assert 0 <= piped.metric("orchestrator", estimate, 'quantity="pipeline_guess_cover"') <= 1
 
 
-def test_greedy_guesses_on_the_demo_pair(tmp_path):
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_greedy_guesses_on_the_demo_pair(tmp_path, lookahead):
     """On the bundled demo pair the draft's second choice is the target's token at
     most greedy rejections, so guessed blocks run at once; output is still
-    ``generate()``'s."""
+    ``generate()``'s, also where the target decodes on its own while it waits
+    (``target.lookahead_tokens``)."""
     demo = Path(__file__).resolve().parent.parent / "models" / "demo"
     draft, target = demo / "draft", demo / "target"
     tok = load_tokenizer(str(target))
     prompts = [tok.encode(t) for t in ("It is a truth", "Emma Woodhouse, handsome")]
-    with local_stack(tmp_path, draft, target, **PIPELINE) as stack:
+    with local_stack(
+        tmp_path, draft, target, target__lookahead_tokens=lookahead, **PIPELINE
+    ) as stack:
         for ids in prompts:
             want = _reference(target, ids, 48)
             for gamma in (2, 4):
@@ -172,6 +180,28 @@ def test_greedy_guesses_on_the_demo_pair(tmp_path):
                 assert got == want, gamma
         assert _guesses_used(stack) > 0  # a rejection's block, run at once
         assert _blocks(stack, "follower") > 0
+        assert (_lookahead(stack, "used") > 0) == bool(lookahead)
+        wait_for_zero_sessions(stack)
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_greedy_equals_generate_with_the_targets_lookahead(tmp_path, llama_pair, lookahead):
+    """The target decodes its own continuation while it waits for a block and judges
+    the block's drafts against it: on the tiny random pair nearly every block is
+    rejected early, so most verdicts come from that continuation with no pass; output
+    is still ``generate()``'s for every gamma, and no session is left behind."""
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("the target decodes while it waits")
+    want = _reference(target, ids, 40)
+    with local_stack(
+        tmp_path, draft, target, target__lookahead_tokens=lookahead, **PIPELINE
+    ) as stack:
+        for gamma in (1, 2, 3, 5):
+            got, _, _ = stack.generate_raw(
+                prompt=ids, max_new_tokens=40, temperature=0.0, gamma=gamma, overlap=True
+            )
+            assert got == want, gamma
+        assert _lookahead(stack, "used") > 0 and _lookahead(stack, "decoded") > 0
         wait_for_zero_sessions(stack)
 
 

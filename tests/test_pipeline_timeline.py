@@ -93,15 +93,18 @@ def test_analyse_keeps_to_the_measured_windows():
 
 
 def test_pipeline_timeline_through_real_services(tmp_path):
-    """``python -m benchmarks.pipeline_timeline`` on the demo pair, one short round:
-    the target's passes ran pipelined blocks, and the report says how long it idled."""
+    """``python -m benchmarks.pipeline_timeline`` on the demo pair, one short round,
+    with the target's lookahead on: the target's passes ran pipelined blocks, and the
+    report says how long it idled and how much of its own continuation it used."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.pipeline_timeline", "--rtt-ms", "5",
-         "--rounds", "1", "--prompts", "1", "--max-new-tokens", "24", "--out", str(tmp_path)],
+         "--rounds", "1", "--prompts", "1", "--max-new-tokens", "24", "--out", str(tmp_path),
+         "--set", "target.lookahead_tokens=2"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert 0 < result["target_busy_share"] < 1 and result["tok_s"] > 0
     assert set(result["gaps"]) - {"other"}, result["gaps"]  # some pipelined block ran
+    assert result["counts"]["lookahead decoded"] > 0 and result["counts"]["lookahead used"] > 0
     assert "| idle gap before a pass that ran |" in (tmp_path / "results.md").read_text()

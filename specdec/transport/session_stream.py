@@ -29,6 +29,7 @@ from .relay import Inbox, Relayed, RelayInboxes
 
 OpenHandler = Callable[[Any], Awaitable[tuple[Session, Any]]]
 StepHandler = Callable[[Session, str, Any], Awaitable[Any]]
+IdleHandler = Callable[[Session], Awaitable[bool]]  # True: it did some work
 
 
 async def session_stream(
@@ -38,6 +39,7 @@ async def session_stream(
     on_open: OpenHandler,
     on_step: StepHandler,
     inboxes: RelayInboxes | None = None,
+    on_idle: IdleHandler | None = None,
 ) -> AsyncIterator[Any]:
     """Replies to the messages of one session stream (see the module docstring)."""
     messages = requests.__aiter__()
@@ -47,6 +49,9 @@ async def session_stream(
     try:
         while True:
             echo = None
+            idle = on_idle is not None and inbox is not None and inbox.queue.empty()
+            if idle and session is not None and await on_idle(session):
+                continue  # (and look at the queue again)
             try:
                 async with asyncio.timeout(ttl_s):
                     if inbox is None:
