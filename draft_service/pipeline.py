@@ -278,6 +278,8 @@ class Pipeline:
         if cursor is not None:
             v.cache_len, v.pending_tokens[:] = cursor.cache_len, cursor.pending
         v.draft_tokens[:] = b.drafts
+        if b.alternates is not None:  # (greedy: which rejections a guess may follow)
+            v.alternates[:] = b.alternates
         v.draft_q.CopyFrom(pack_q(qs))
         sent, _ = await self.relay.send(self.target, request, b.echo, late=True)
         return sent

@@ -129,7 +129,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             # What a pipelined block that follows this verify is judged on.
             session.extra.verify = _Last(v.seed, cache_len + len(pending), len(drafts), out)
             if v.pipeline:  # greedy: decode on from where this leaves the target, meanwhile
-                self.svc.begin_ahead(session, *_greedy_cursor(cache_len + len(pending), out))
+                at, token, n = _greedy_cursor(cache_len + len(pending), out)
+                guessed = n < len(v.alternates) and v.alternates[n] == token
+                self.svc.begin_ahead(session, at, token, hold=guessed)
             tracing.mark("reply")
             return target_pb2.TargetReply(verdict=out)
         if kind == "rollback":
@@ -175,13 +177,14 @@ def _follows(last: _Last | None, chain: target_pb2.Chain, cache_len: int, pendin
     return follows_in_full(last.end, last.drafts, judged, u, chain.match, chain.first_token)
 
 
-def _greedy_cursor(end: int, v: target_pb2.Verdict) -> tuple[int, int]:
-    """Where a greedy verdict leaves the target: (cache length, pending token). Only
-    for greedy verdicts (p_draft is 1 or 0; ``begin_ahead`` ignores any other)."""
+def _greedy_cursor(end: int, v: target_pb2.Verdict) -> tuple[int, int, int]:
+    """Where a greedy verdict leaves the target: (cache length, pending token, drafts
+    accepted). Only for greedy verdicts (p_draft is 1 or 0; ``begin_ahead`` ignores
+    any other)."""
     n = next((i for i, p in enumerate(v.p_draft) if p < 1.0), len(v.p_draft))
     if n < len(v.p_draft):
-        return end + n, v.residual_tokens[n]
-    return end + n, v.bonus_token
+        return end + n, v.residual_tokens[n], n
+    return end + n, v.bonus_token, n
 
 
 def _chain_mark(chain: target_pb2.Chain) -> str:

@@ -60,6 +60,7 @@ class Ahead:
     cache_len: int
     fed: list[int]
     rows: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
+    hold: bool = False  # run no pass: a block is likely on its way (``begin_ahead``)
 
 
 class Verifier(ModelService):
@@ -166,20 +167,25 @@ class Verifier(ModelService):
             )
         return guesses
 
-    def begin_ahead(self, session: Session, cache_len: int, token: int) -> None:
+    def begin_ahead(self, session: Session, cache_len: int, token: int, hold: bool) -> None:
         """Greedy, pipelined: the verdict just sent left the target's cursor at
-        (``cache_len``, ``token``); decode from there while no block waits."""
+        (``cache_len``, ``token``); decode from there while no block waits, unless
+        ``hold``: the draft's guess for this rejection may be on its way, and a pass
+        under way when it comes would hold it up (passes run on the event loop)."""
         a: Ahead | None = session.extra.ahead
         if a is not None and (a.cache_len, a.fed[0]) == (cache_len, token):
-            return  # the rest of the continuation it answered from
+            a.hold = hold  # the rest of the continuation it answered from
+            return
         if self.cfg.lookahead_tokens and session.params.greedy and token not in self.eos:
-            session.extra.ahead = Ahead(cache_len, [token])
+            session.extra.ahead = Ahead(cache_len, [token], hold=hold)
 
     async def decode_ahead(self, session: Session) -> bool:
         """Decode the session's next token of its own continuation (``Ahead``), if it
         has one with room for more; returns whether it ran a pass."""
         a: Ahead | None = session.extra.ahead
-        if a is None or len(a.rows) >= self.cfg.lookahead_tokens or a.fed[-1] in self.eos:
+        if a is None or a.hold or len(a.rows) >= self.cfg.lookahead_tokens:
+            return False
+        if a.fed[-1] in self.eos:
             return False
         at = a.cache_len + len(a.rows)  # the cache holds fed[:len(rows)] after cache_len
         if at + 1 > self.max_context or at > session.length:
