@@ -71,6 +71,8 @@ class Verifier(ModelService):
         self.eos = frozenset(self.info.eos_token_ids)  # a plain run ends after one
         for outcome in ("kept", "redrawn"):  # 0 on dashboards, not nothing
             metrics.RESIDUAL_GUESSES.labels(outcome)
+        for outcome in ("decoded", "used"):
+            metrics.LOOKAHEAD_TOKENS.labels(outcome)
 
     async def open(self, session_id: str, tokens, params, extra=None) -> Session:
         return await super().open(session_id, tokens, params, extra=LastLogits())
