@@ -129,9 +129,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             # What a pipelined block that follows this verify is judged on.
             session.extra.verify = _Last(v.seed, cache_len + len(pending), len(drafts), out)
             if v.pipeline:  # greedy: decode on from where this leaves the target, meanwhile
-                at, token, n = _greedy_cursor(cache_len + len(pending), out)
-                guessed = n < len(v.alternates) and v.alternates[n] == token
-                self.svc.begin_ahead(session, at, token, hold=guessed)
+                self.svc.after_verdict(
+                    session, cache_len + len(pending), drafts, verdict, v.alternates
+                )
             tracing.mark("reply")
             return target_pb2.TargetReply(verdict=out)
         if kind == "rollback":
@@ -175,16 +175,6 @@ def _follows(last: _Last | None, chain: target_pb2.Chain, cache_len: int, pendin
             return None
         return Cursor(last.end + chain.rejected_at - 1, (token,))  # (settle's)
     return follows_in_full(last.end, last.drafts, judged, u, chain.match, chain.first_token)
-
-
-def _greedy_cursor(end: int, v: target_pb2.Verdict) -> tuple[int, int, int]:
-    """Where a greedy verdict leaves the target: (cache length, pending token, drafts
-    accepted). Only for greedy verdicts (p_draft is 1 or 0; ``begin_ahead`` ignores
-    any other)."""
-    n = next((i for i, p in enumerate(v.p_draft) if p < 1.0), len(v.p_draft))
-    if n < len(v.p_draft):
-        return end + n, v.residual_tokens[n], n
-    return end + n, v.bonus_token, n
 
 
 def _chain_mark(chain: target_pb2.Chain) -> str:

@@ -23,7 +23,15 @@ from specdec.model_service import ModelService
 from specdec.rng import uniforms
 from specdec.runtime.forward_loop import Job
 from specdec.runtime.ragged import Feed
-from specdec.sampling import SparseQ, Verdict, drafted_probs, greedy_tokens, verify_draft
+from specdec.sampling import (
+    SparseQ,
+    Verdict,
+    accepted_count,
+    drafted_probs,
+    greedy_tokens,
+    step_tokens,
+    verify_draft,
+)
 from specdec.sessions import Session
 
 
@@ -169,6 +177,19 @@ class Verifier(ModelService):
             )
         return guesses
 
+    def after_verdict(
+        self, session: Session, end: int, drafts: list[int], verdict: Verdict, alternates
+    ) -> None:
+        """A pipelined verify from a cursor ending at ``end`` sent ``verdict``: with
+        ``lookahead_tokens``, greedy, begin the continuation from where it leaves the
+        target, held if it drew the draft's second choice there (``alternates``)."""
+        if not self.cfg.lookahead_tokens or not session.params.greedy:
+            return
+        n = accepted_count(verdict.p_draft, verdict.q_draft, [0.0] * len(drafts))  # p is 1 or 0
+        token = step_tokens(drafts, n, verdict.residual_tokens, verdict.bonus_token)[-1]
+        hold = n < len(alternates) and alternates[n] == token
+        self.begin_ahead(session, end + n, token, hold)
+
     def begin_ahead(self, session: Session, cache_len: int, token: int, hold: bool) -> None:
         """Greedy, pipelined: the verdict just sent left the target's cursor at
         (``cache_len``, ``token``); decode from there while no block waits, unless
@@ -194,16 +215,13 @@ class Verifier(ModelService):
             session.extra.ahead = None
             return False
         self.roll_back_to(session, at)  # (the first time: the verify's rejected drafts)
-        logits = await self.run(self._feed_ahead(session, a.fed[-1]), "decode")  # [1, vocab]
+        logits, _ = await self.run(self._feed(session, a.fed[-1:]), "decode")  # [1, vocab]
         metrics.LOOKAHEAD_TOKENS.labels("decoded").inc()
         if session.extra.ahead is a:
             a.rows.append(logits)
             a.fed.append(int(greedy_tokens(logits)[0]))
         self.sessions.update_gauges()
         return True
-
-    def _feed_ahead(self, session: Session, token: int) -> Job:
-        return (yield Feed(session.kv, [token], 1))  # [1, vocab]
 
     async def _verify_ahead(self, session: Session, a: Ahead, drafts, qs) -> Verdict:
         """A greedy verify from the cursor ``a`` starts at (see ``Ahead``)."""

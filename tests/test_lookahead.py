@@ -12,7 +12,7 @@ import pytest
 
 from specdec.config import ModelServiceConfig
 from specdec.runtime.loading import load_model, load_tokenizer
-from specdec.sampling import SamplingParams, SparseQ
+from specdec.sampling import SamplingParams, SparseQ, accepted_count
 from target_service.verifier import Verifier
 
 PROMPT = [3, 9, 27, 4, 8]
@@ -20,8 +20,8 @@ GREEDY = SamplingParams(temperature=0.0)
 AHEAD = 3
 
 
-def _accepted(p_draft) -> int:
-    return next((i for i, p in enumerate(p_draft) if p < 1.0), len(p_draft))
+def _accepted(p_draft) -> int:  # greedy: p is 1 or 0
+    return accepted_count(p_draft, [1.0] * len(p_draft), [0.0] * len(p_draft))
 
 
 def _blocks(t: list[int], vocab: int) -> list[list[int]]:
