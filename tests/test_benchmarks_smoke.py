@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.run --quick`` on the tiny random pair must write
 results.json with the expected sections, results.md with its tables, and the
-PNG plots; the delay proxy must forward bytes unchanged and add its delay.
+PNG plots; the delay proxy must forward bytes unchanged and add its delay; every
+other benchmark runs one short round and writes its report. They run inside this
+process (``tests/benchrun.py``), but for the two that renice themselves.
 """
 
 from __future__ import annotations
@@ -14,40 +16,26 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from specdec.local.proxy import ProxyGroup
 from specdec.local.stack import pin_process
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m module args`` from the repository; it must exit 0."""
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+from .benchrun import REPO, run_benchmark, run_fresh
 
 
 def test_quick_run_writes_results(tmp_path, llama_pair):
     draft, target = llama_pair
     out = tmp_path / "results"
-    proc = _run_module(
+    ran = run_fresh(
         "benchmarks.run", "--quick", "--draft", str(draft),
         "--target", str(target), "--out", str(out), "--max-new-tokens", "6",
         # every section but the thread settings (more stacks of the same code, 25 s)
         "--sections", "analysis,hf,services,pinned,head_to_head,inprocess,rtt,concurrency,wire",
         timeout=600,
     )  # fmt: skip
-    assert "criteria:" in proc.stdout
+    assert "criteria:" in ran.stdout
 
     results = json.loads((out / "results.json").read_text())
     for key in ("machine", "analysis", "hf", "services", "pinned", "inprocess", "rtt",
@@ -178,11 +166,11 @@ def test_against_compares_with_an_older_checkout_as_separate_machines(tmp_path, 
     before = subprocess.run(
         ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
-    _run_module(
+    run_benchmark(
         "benchmarks.against", "HEAD", "--rtt-ms", "2", "--set", "orchestrator.pipeline=true",
         "orchestrator.pipeline_min_rtt_ms=0", "--rounds", "2", "--prompts", "1",
         "--max-new-tokens", "6", "--configs", "ovl4@0", "plain@1-p0.9",
-        "--draft", str(draft), "--target", str(target), "--out", str(tmp_path), timeout=300,
+        "--draft", str(draft), "--target", str(target), "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["against"] == "HEAD" and list(result["rows"]) == ["ovl4@0", "plain@1-p0.9"]
@@ -198,20 +186,19 @@ def test_against_compares_with_an_older_checkout_as_separate_machines(tmp_path, 
 
 
 def test_step_math_writes_results(tmp_path):
-    _run_module(
+    run_benchmark(
         "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",
-        "--out", str(tmp_path), timeout=300,
+        "--out", str(tmp_path)
     )  # fmt: skip
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     # per vocabulary: greedy once, then each wire top-k at T=1
     assert [(r["temperature"], r["wire_top_k"]) for r in rows[:3]] == [(0, 16), (1, 16), (1, 64)]
     assert len(rows) == 9 and all(r["draft_us"] > 0 and r["target_us"] > 0 for r in rows)
     # Against a git revision: that revision's sampling module, timed in pairs.
-    _run_module(
+    run_benchmark(
         "benchmarks.step_math", "--steps", "4", "--wire-top-k", "16", "--vocabs", "4096",
         "--against", "HEAD", "--keep-freed-mb", "64", "--top-p", "0.9",
-        "--out", str(tmp_path / "against"),
-        timeout=300,
+        "--out", str(tmp_path / "against")
     )  # fmt: skip
     result = json.loads((tmp_path / "against" / "results.json").read_text())
     assert result["against"] == "HEAD" and len(result["rows"]) == 2
@@ -222,10 +209,9 @@ def test_step_math_writes_results(tmp_path):
 def test_sustained_writes_results(tmp_path):
     """``benchmarks.sustained`` on the demo pair, one client and one thread setting:
     every mode streamed tokens inside its window, and the report and plot exist."""
-    _run_module(
+    run_benchmark(
         "benchmarks.sustained", "--clients", "1", "--threads", "1",
-        "--warm", "0.2", "--window", "0.5", "--repeats", "1", "--out", str(tmp_path),
-        timeout=300,
+        "--warm", "0.2", "--window", "0.5", "--repeats", "1", "--out", str(tmp_path)
     )  # fmt: skip
     median = json.loads((tmp_path / "results.json").read_text())["median"]
     assert set(median["1"]["1"]) == {"plain", "adaptive", "seq4"}
@@ -237,9 +223,9 @@ def test_sustained_writes_results(tmp_path):
 def test_relay_side_by_side_writes_results(tmp_path):
     """``benchmarks.relay``'s concurrent part, one client: both routes measured, the
     relaying orchestrator did relay, and the report has the row."""
-    _run_module(
+    run_benchmark(
         "benchmarks.relay", "--no-one-client", "--clients", "1", "--repeats", "1",
-        "--out", str(tmp_path), timeout=300,
+        "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["median"]["relay x1"] > 0 and result["median"]["direct x1"] > 0
@@ -251,7 +237,7 @@ def test_placement_writes_results(tmp_path):
     """``benchmarks.placement`` on the demo pair, one round of one prompt: every
     placement of the orchestrator measured, and the report has the row. (In an order
     whose niceness never falls: lowering it needs root.)"""
-    _run_module(
+    run_fresh(
         "benchmarks.placement", "--rounds", "1", "--configs", "seq2@0", "--prompts", "1",
         "--max-new-tokens", "4", "--out", str(tmp_path),
         "--placements", "draft-nice0", "free", "draft", "target", timeout=300,
@@ -270,9 +256,9 @@ def test_cold_calls_writes_results(tmp_path, llama_pair):
     """``benchmarks.cold_calls`` on the tiny target, two passes: every call timed cold
     and again, and the report has its rows."""
     _, target = llama_pair
-    _run_module(
+    run_benchmark(
         "benchmarks.cold_calls", "--target", str(target), "--passes", "2",
-        "--out", str(tmp_path), timeout=300,
+        "--out", str(tmp_path)
     )  # fmt: skip
     rates = json.loads((tmp_path / "results.json").read_text())["rates"]
     assert rates["cold"].keys() == rates["again"].keys()
@@ -284,10 +270,10 @@ def test_packed_linear_side_by_side_writes_results(tmp_path, llama_pair):
     """``benchmarks.packed_linear`` on the tiny pair, one client, one mode: pass times
     of both ways for both models, both stacks streamed tokens, and the report has them."""
     draft, target = llama_pair
-    _run_module(
+    run_benchmark(
         "benchmarks.packed_linear", "--draft", str(draft), "--target", str(target),
         "--clients", "1", "--modes", "seq4", "--repeats", "1", "--warm", "0.2",
-        "--window", "0.5", "--passes", "2", "--out", str(tmp_path), timeout=300,
+        "--window", "0.5", "--passes", "2", "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["median"]["1 clients, seq4, stock"] > 0
@@ -303,10 +289,10 @@ def test_lean_forward_side_by_side_writes_results(tmp_path, llama_pair):
     models, both stacks streamed tokens at one client and under load, and the report
     has them."""
     draft, target = llama_pair
-    _run_module(
+    run_benchmark(
         "benchmarks.lean_forward", "--draft", str(draft), "--target", str(target),
         "--clients", "2", "--repeats", "1", "--warm", "0.2", "--window", "0.5",
-        "--passes", "2", "--max-new-tokens", "8", "--out", str(tmp_path), timeout=300,
+        "--passes", "2", "--max-new-tokens", "8", "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["median"]["2 clients, seq4, wrapped"] > 0
@@ -344,10 +330,9 @@ def test_pinning_a_service_pins_every_thread_it_has():
 def test_adaptive_check_writes_results(tmp_path):
     """``benchmarks.adaptive_check`` on the demo pair, one point, one round: adaptive,
     plain and both kinds of one fixed gamma measured, the held-out ratio reported."""
-    _run_module(
+    run_benchmark(
         "benchmarks.adaptive_check", "--repeats", "1", "--rtts", "0", "--temperatures", "0",
-        "--gammas", "2", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path),
-        timeout=300,
+        "--gammas", "2", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)
     )  # fmt: skip
     point = json.loads((tmp_path / "results.json").read_text())["rates"]["+0 ms, T=0"]
     assert set(point["rates"]) == {"adaptive", "plain", "seq2", "ovl2"}
@@ -360,10 +345,9 @@ def test_adaptive_check_writes_results(tmp_path):
 def test_pipeline_side_by_side_writes_results(tmp_path):
     """``benchmarks.pipeline`` on the demo pair, one point, one round: pipelined and
     asked-for steps and adaptive with and without pipelines measured and compared."""
-    _run_module(
+    run_benchmark(
         "benchmarks.pipeline", "--repeats", "1", "--rtts", "5", "--temperatures", "1",
-        "--gammas", "2", "--prompts", "1", "--max-new-tokens", "12", "--out", str(tmp_path),
-        timeout=300,
+        "--gammas", "2", "--prompts", "1", "--max-new-tokens", "12", "--out", str(tmp_path)
     )  # fmt: skip
     point = json.loads((tmp_path / "results.json").read_text())["rates"]["+5 ms, T=1"]
     names = {"plain", "adaptive", "adaptive-pipe", "seq2", "ovl2", "pipe2"}
@@ -373,9 +357,9 @@ def test_pipeline_side_by_side_writes_results(tmp_path):
 
 
 def test_draft_position_writes_results(tmp_path):
-    _run_module(
+    run_benchmark(
         "benchmarks.draft_position", "--rounds", "1", "--positions", "5", "--no-large",
-        "--against", "HEAD", "--out", str(tmp_path), timeout=300,
+        "--against", "HEAD", "--out", str(tmp_path)
     )  # fmt: skip
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     (modes,) = results.values()
@@ -392,10 +376,10 @@ def test_pass_cost_writes_results(tmp_path, llama_pair):
     """``benchmarks.pass_cost`` on the tiny pair: a pass time for every cell of the
     grid, both ways, a fit per model and context, and the report and plot."""
     draft, target = llama_pair
-    _run_module(
+    run_benchmark(
         "benchmarks.pass_cost", "--draft", str(draft), "--target", str(target),
         "--sessions", "1", "2", "--tokens", "1", "3", "--contexts", "8", "--passes", "2",
-        "--cold", "--out", str(tmp_path), timeout=300,
+        "--cold", "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     for role in ("target", "draft"):
@@ -411,9 +395,9 @@ def test_pass_cost_writes_results(tmp_path, llama_pair):
 def test_guesses_side_by_side_writes_results(tmp_path):
     """``benchmarks.guesses`` on the demo pair, one mode, one round, shared cores: both
     stacks measured, only the one with guesses guessed, and the report has the row."""
-    _run_module(
+    run_benchmark(
         "benchmarks.guesses", "--parts", "shared", "--modes", "gamma 4 ahead@0",
-        "--clients", "--repeats", "1", "--out", str(tmp_path), timeout=300,
+        "--clients", "--repeats", "1", "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["median"]["on gamma 4 ahead@0 shared"] > 0
@@ -426,9 +410,9 @@ def test_guesses_side_by_side_writes_results(tmp_path):
 def test_guess_rates_writes_results(tmp_path, llama_pair):
     """``benchmarks.guess_rates`` on the tiny pair: every rate is a probability."""
     draft, target = llama_pair
-    _run_module(
+    run_benchmark(
         "benchmarks.guess_rates", "--draft", str(draft), "--target", str(target),
-        "--max-new-tokens", "8", "--out", str(tmp_path), timeout=300,
+        "--max-new-tokens", "8", "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["greedy"]["steps"] > 0 and result["t1"]["positions"] > 0

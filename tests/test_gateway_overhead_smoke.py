@@ -7,25 +7,17 @@ write results.json and results.md with the load average.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from .benchrun import run_benchmark
 
 
 def test_quick_run_writes_results(tmp_path, llama_pair):
     draft, target = llama_pair
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gateway_overhead", "--quick", "--tokens", "6"]
-        + ["--draft", str(draft), "--target", str(target), "--threads", "1", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_benchmark(
+        "benchmarks.gateway_overhead", "--quick", "--tokens", "6", "--draft", str(draft),
+        "--target", str(target), "--threads", "1", "--out", str(out),
+    )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     for setting in ("stub", "stack"):
         r = results[setting]

@@ -4,9 +4,6 @@ analysis on made-up marks, and one run through real services."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +17,7 @@ from benchmarks.pipeline_timeline import (
 )
 from benchmarks.timeline import Mark
 
-REPO = Path(__file__).resolve().parent.parent
+from .benchrun import run_benchmark
 
 
 def _marks(*rows: tuple[float, str]) -> list[Mark]:
@@ -96,13 +93,10 @@ def test_pipeline_timeline_through_real_services(tmp_path):
     """``python -m benchmarks.pipeline_timeline`` on the demo pair, one short round,
     with the target's lookahead on: the target's passes ran pipelined blocks, and the
     report says how long it idled and how much of its own continuation it used."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.pipeline_timeline", "--rtt-ms", "5",
-         "--rounds", "1", "--prompts", "1", "--max-new-tokens", "24", "--out", str(tmp_path),
-         "--set", "target.lookahead_tokens=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+    run_benchmark(
+        "benchmarks.pipeline_timeline", "--rtt-ms", "5", "--rounds", "1", "--prompts", "1",
+        "--max-new-tokens", "24", "--out", str(tmp_path), "--set", "target.lookahead_tokens=2",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert 0 < result["target_busy_share"] < 1 and result["tok_s"] > 0
     assert set(result["gaps"]) - {"other"}, result["gaps"]  # some pipelined block ran
