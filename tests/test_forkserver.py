@@ -21,7 +21,10 @@ def test_only_what_a_fork_can_stand_for_is_forked(monkeypatch, tmp_path):
     try:
         assert forkserver.wanted(None, None) and forkserver.wanted(None, subprocess.DEVNULL)
         assert forkserver.wanted(None, log)
-        assert not forkserver.wanted({"PYTHONPATH": "planted"}, None)  # sitecustomize
+        # a planted sitecustomize (only PYTHONPATH differs), but no other environment
+        assert forkserver.wanted(dict(os.environ, PYTHONPATH="planted"), None)
+        assert not forkserver.wanted(dict(os.environ, OMP_NUM_THREADS="7"), None)
+        assert not forkserver.wanted({"PYTHONPATH": "planted"}, None)
         assert not forkserver.wanted(None, subprocess.PIPE)
         monkeypatch.setenv(forkserver.ENV, "0")
         assert not forkserver.wanted(None, None)
@@ -57,3 +60,24 @@ def test_a_forked_service_serves_logs_and_exits_as_a_process(
         log.close()
     text = (tmp_path / "draft.log").read_text()
     assert f"draft serving on 127.0.0.1:{cfg['draft']['port']}" in text
+
+
+def test_a_forked_service_runs_a_planted_sitecustomize(monkeypatch, tmp_path, llama_pair):
+    """As a fresh interpreter would at start: a test's fault planted as
+    ``sitecustomize`` on PYTHONPATH runs in the forked service, before it serves."""
+    monkeypatch.setenv(forkserver.ENV, "1")
+    site = tmp_path / "site"
+    site.mkdir()
+    mark = tmp_path / "planted"
+    (site / "sitecustomize.py").write_text(
+        f"import os, specdec.cli\nopen({str(mark)!r}, 'w').write(str(os.getpid()))\n"
+    )
+    path, cfg = write_config(tmp_path, *llama_pair)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    proc = spawn("draft", str(path), [], subprocess.DEVNULL, env)
+    try:
+        assert isinstance(proc, forkserver.ForkedProcess)
+        wait_healthy(f"127.0.0.1:{cfg['draft']['port']}", 120, [proc])
+        assert mark.read_text() == str(proc.pid)
+    finally:
+        stop_local([proc])

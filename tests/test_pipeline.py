@@ -276,12 +276,14 @@ def test_pipelined_sampling_follows_the_target(piped, llama_pair):
 
 
 BROKEN_FOLLOWERS = """
+import draft_service.pipeline as drafting
+import orchestrator.engine as engine
 import orchestrator.step as s
 _draws = s.pipeline_draws
 def _accept_first(key, index, kind, n):  # BROKEN: a follower's first draft always passes
     d, t, u = _draws(key, index, kind, n)
     return d, t, ([0.0] + u[1:]) if kind == s.FOLLOWER and u else u
-s.pipeline_draws = _accept_first
+s.pipeline_draws = drafting.pipeline_draws = engine.pipeline_draws = _accept_first
 """
 
 

@@ -11,9 +11,14 @@ exit status; only the imports are shared (copy-on-write), and it is ready about
 a second after it is asked for.
 
 Off by default: ``specdec up``, the demo and the benchmarks start fresh
-interpreters, as a deployment does. The tests turn it on (``tests/conftest.py``);
-a service given an environment of its own (a test planting a fault with
-``sitecustomize``, which runs only at interpreter start) still gets a fresh one.
+interpreters, as a deployment does. The tests turn it on (``tests/conftest.py``).
+A service given an environment of its own still gets a fresh interpreter, unless
+that environment differs only in ``PYTHONPATH``: how a test plants a fault, as a
+``sitecustomize`` module that a fresh interpreter runs at start. The forked
+process runs that module itself before ``main`` (``_plant``). It runs after the
+service's modules were imported, so a fault must patch every module that bound
+the name it replaces; a planted fault that does not take effect fails its own
+test, which asserts that the fault is caught.
 Not for: deciding what runs (``specdec.local.stack``).
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -43,11 +49,18 @@ _context: multiprocessing.context.ForkServerContext | None = None
 
 
 def wanted(env: dict[str, str] | None, out) -> bool:
-    """Whether a service can be forked: asked for, no environment of its own, and
+    """Whether a service can be forked: asked for, this process's environment or
+    one that differs only in ``PYTHONPATH`` (a planted ``sitecustomize``), and
     output to where this process's goes, nowhere, or a file (reopened by name)."""
-    if os.environ.get(ENV) != "1" or env is not None:
+    if os.environ.get(ENV) != "1":
+        return False
+    if env is not None and _but_path(env) != _but_path(os.environ):
         return False
     return out is None or out == subprocess.DEVNULL or isinstance(getattr(out, "name", None), str)
+
+
+def _but_path(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != "PYTHONPATH"}
 
 
 class ForkedProcess:
@@ -94,16 +107,17 @@ def start() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def spawn(args: list[str], cwd: Path, out) -> ForkedProcess:
+def spawn(args: list[str], cwd: Path, out, env: dict[str, str] | None = None) -> ForkedProcess:
     """``specdec ARGS`` in a process forked from the template (started on first use),
-    in ``cwd``, with this process's current environment; ``out`` as ``wanted`` allows.
-    A daemon process: if this one exits first, multiprocessing stops it."""
+    in ``cwd``, with ``env`` (default: this process's current environment) and
+    ``out`` as ``wanted`` allows. A daemon process: if this one exits first,
+    multiprocessing stops it."""
     path = os.devnull if out == subprocess.DEVNULL else getattr(out, "name", None)
     if path is not None:
         path = os.path.abspath(path)  # (the service runs in ``cwd``)
     proc = start().Process(
         target=_main,
-        args=(list(args), str(cwd), path, dict(os.environ)),
+        args=(list(args), str(cwd), path, dict(os.environ if env is None else env)),
         name=" ".join(["specdec", *args[:2]]),
         daemon=True,
     )
@@ -112,9 +126,10 @@ def spawn(args: list[str], cwd: Path, out) -> ForkedProcess:
 
 
 def _main(args: list[str], cwd: str, out: str | None, env: dict[str, str]) -> None:
-    """The forked process: the caller's directory, environment and output, then
-    the command line's ``main``."""
+    """The forked process: the caller's directory, environment and output, a
+    planted ``sitecustomize`` (``_plant``), then the command line's ``main``."""
     os.chdir(cwd)
+    template_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(env)
     if out is not None:
@@ -122,7 +137,23 @@ def _main(args: list[str], cwd: str, out: str | None, env: dict[str, str]) -> No
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    _plant(template_path.split(os.pathsep), env.get("PYTHONPATH", "").split(os.pathsep))
     sys.argv = ["specdec", *args]
     from specdec.cli import main
 
     sys.exit(main(args))
+
+
+def _plant(template_path: list[str], path: list[str]) -> None:
+    """What a fresh interpreter on ``path`` (PYTHONPATH's folders) would run at start
+    that the template did not: its folders the template lacks go first on
+    ``sys.path``, and the first ``sitecustomize.py`` among ``path``'s folders runs
+    if it is in one of those."""
+    new = [d for d in path if d and d not in template_path]
+    sys.path[:0] = new
+    for folder in filter(None, path):
+        site = Path(folder) / "sitecustomize.py"
+        if site.is_file():
+            if folder in new:
+                runpy.run_path(str(site), run_name="sitecustomize")
+            return

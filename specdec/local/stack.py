@@ -192,7 +192,8 @@ def spawn(
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """``specdec serve ROLE`` as a child process (forked from a template process that
     has its imports done, where ``SPECDEC_LOCAL_FORKSERVER=1`` asks for it and
-    ``env`` and ``out`` allow: ``specdec.local.forkserver``). ``repo``: run the code
+    ``env`` and ``out`` allow, a planted ``sitecustomize`` too:
+    ``specdec.local.forkserver``). ``repo``: run the code
     of another checkout (a fresh interpreter there; ``benchmarks.against``)."""
     args = ["serve", role]
     if config_path:
@@ -200,7 +201,7 @@ def spawn(
     for o in overrides:
         args += ["--set", o]
     if repo is None and forkserver.wanted(env, out):
-        return forkserver.spawn(args, REPO, out)
+        return forkserver.spawn(args, REPO, out, env)
     err = subprocess.STDOUT if out not in (None, subprocess.DEVNULL) else None
     return subprocess.Popen(
         [sys.executable, "-m", "specdec", *args],
