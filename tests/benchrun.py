@@ -7,7 +7,8 @@ minutes of the suite over its benchmark runs on 2 cores. The test process has
 both already, so ``run_benchmark`` runs the module here with ``runpy`` (the same
 ``__main__`` code, with its own ``sys.argv``) and puts back what a benchmark may
 change of its process: CPU affinity of every thread, torch's thread count,
-SIGINT/SIGTERM handlers, the working directory, ``sys.argv`` and random state.
+SIGINT/SIGTERM handlers, the environment, the working directory, ``sys.argv``
+and random state.
 
 Not for a benchmark that changes its own niceness (``benchmarks.run``'s pinned
 front, ``benchmarks.placement``): raising it is allowed without root, lowering
@@ -77,7 +78,7 @@ def run_fresh(module: str, *args: str, timeout: float) -> Ran:
 
 @contextlib.contextmanager
 def _process_restored() -> Iterator[None]:
-    argv, cwd = sys.argv[:], os.getcwd()
+    argv, cwd, environ = sys.argv[:], os.getcwd(), dict(os.environ)
     cpus = os.sched_getaffinity(0)
     threads = torch.get_num_threads()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -89,6 +90,8 @@ def _process_restored() -> Iterator[None]:
     finally:
         sys.argv = argv
         os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
         pin_process(os.getpid(), cpus)
         torch.set_num_threads(threads)
         for sig, handler in handlers.items():

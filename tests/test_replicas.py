@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 import yaml
 
 from orchestrator.replicas import resolve
-from specdec.local.stack import stop_local, wait_healthy
+from specdec.local.stack import spawn, stop_local, wait_healthy
 
 from .stack import Stack, free_port, write_config
 from .test_faults import greedy, run_to_end
@@ -26,10 +25,7 @@ def test_resolve_forms():
 
 
 def _serve(role: str, config: str, *sets: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "specdec", "serve", role, "--config", config]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    return spawn(role, config, list(sets), subprocess.DEVNULL)
 
 
 def test_sessions_spread_over_replicas_and_survive_losing_one(tmp_path, llama_pair):

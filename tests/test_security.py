@@ -16,7 +16,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.config import ModelServiceConfig, config_from_dict, load_config
+from specdec.local.stack import spawn
 from specdec.v1 import (
     common_pb2,
     draft_pb2_grpc,
@@ -179,23 +179,8 @@ def secure(tmp_path_factory, llama_pair):
     try:
         for role in ROLES:
             with open(logs[role], "wb") as out:
-                stack.procs.append(
-                    subprocess.Popen(
-                        # -v: DEBUG logging, the most a service ever writes.
-                        [
-                            sys.executable,
-                            "-m",
-                            "specdec",
-                            "-v",
-                            "serve",
-                            role,
-                            "--config",
-                            str(path),
-                        ],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+                # verbose: DEBUG logging, the most a service ever writes.
+                stack.procs.append(spawn(role, str(path), [], out, verbose=True))
         _wait_ready(stack)
         yield stack
     finally:

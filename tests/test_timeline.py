@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from benchmarks.timeline import Mark, critical_path, read_marks, steps_of
 from specdec import tracing
 
-REPO = Path(__file__).resolve().parent.parent
+from .benchrun import run_benchmark
 
 
 def _step(t0: float, relayed: bool, first_forward: float = 1.0) -> list[Mark]:
@@ -148,13 +145,11 @@ def test_timeline_through_a_real_stack(tmp_path, llama_pair):
     """``python -m benchmarks.timeline`` on the tiny pair: every service wrote
     marks, and the speculative steps have forwards, hops and work."""
     draft, target = llama_pair
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.timeline", "--draft", str(draft),
-         "--target", str(target), "--configs", "seq2@1", "plain@0", "--repeats", "1",
-         "--max-new-tokens", "8", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+    run_benchmark(
+        "benchmarks.timeline", "--draft", str(draft), "--target", str(target),
+        "--configs", "seq2@1", "plain@0", "--repeats", "1", "--max-new-tokens", "8",
+        "--out", str(tmp_path),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     roles = {p.name.split("-")[0] for p in (tmp_path / "trace").glob("*.trace")}
     assert roles == {"orchestrator", "draft", "target"}
     result = json.loads((tmp_path / "results.json").read_text())

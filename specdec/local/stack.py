@@ -189,13 +189,15 @@ def spawn(
     out: IO | int | None = None,
     env: dict[str, str] | None = None,
     repo: Path | None = None,
+    verbose: bool = False,
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """``specdec serve ROLE`` as a child process (forked from a template process that
     has its imports done, where ``SPECDEC_LOCAL_FORKSERVER=1`` asks for it and
     ``env`` and ``out`` allow, a planted ``sitecustomize`` too:
     ``specdec.local.forkserver``). ``repo``: run the code
-    of another checkout (a fresh interpreter there; ``benchmarks.against``)."""
-    args = ["serve", role]
+    of another checkout (a fresh interpreter there; ``benchmarks.against``).
+    ``verbose``: DEBUG logging (``specdec -v``)."""
+    args = ["-v"] * verbose + ["serve", role]
     if config_path:
         args += ["--config", str(config_path)]
     for o in overrides:
