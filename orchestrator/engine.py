@@ -283,6 +283,9 @@ class Orchestrator:
     def idle(self) -> bool:
         return self.live == 0 and self.queued == 0 and not self._background
 
+    def end_idle_streams(self) -> None:
+        """Nothing to end: a client's stream is its request."""
+
     async def aclose(self) -> None:
         for task in list(self._background):
             await asyncio.wait([task], timeout=2.0)

@@ -52,6 +52,7 @@ class ModelService:
         self.cfg = cfg
         self.draining = False
         self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._enders: list[Callable[[], None]] = []
         set_threads(cfg.torch_threads)
         self.model = model
         if model is None:
@@ -180,6 +181,16 @@ class ModelService:
 
     def idle(self) -> bool:
         return len(self.sessions) == 0
+
+    def on_drained(self, end: Callable[[], None]) -> None:
+        """Also run ``end`` when a drain finds no session left (``end_idle_streams``)."""
+        self._enders.append(end)
+
+    def end_idle_streams(self) -> None:
+        """Drained: end the streams its edge holds open between requests (a draft's
+        relay), so that the server stops now, not at the end of the grace period."""
+        for end in self._enders:
+            end()
 
     def on_close(self, close: Callable[[], Awaitable[None]]) -> None:
         """Also run ``close`` when the service closes (its edge's client channels)."""

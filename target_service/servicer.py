@@ -26,6 +26,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, svc: Verifier) -> None:
         self.svc = svc
         self.inboxes = RelayInboxes()  # open sessions, for verifies a draft relays
+        self.relays: set[asyncio.Queue] = set()  # each open Relay stream's answers
+        svc.on_drained(self._end_relays)
+
+    def _end_relays(self) -> None:
+        """Drained: each draft's relay stream ends (OK), as its handler reads None."""
+        for acks in self.relays:
+            acks.put_nowait(None)
 
     async def Session(self, requests, context):
         async for reply in session_stream(
@@ -65,12 +72,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 acks.put_nowait(e)
 
         reader = asyncio.get_running_loop().create_task(read())
+        self.relays.add(acks)
         try:
             while (ack := await acks.get()) is not None:
                 if isinstance(ack, Exception):
                     raise ack
                 yield ack
         finally:
+            self.relays.discard(acks)
             reader.cancel()
 
     async def _open(self, m: common_pb2.OpenSession):

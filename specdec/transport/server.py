@@ -289,6 +289,8 @@ class Drainable(Protocol):
 
     def idle(self) -> bool: ...  # no in-flight work left
 
+    def end_idle_streams(self) -> None: ...  # idle: end streams held open between requests
+
     async def aclose(self) -> None: ...
 
 
@@ -297,7 +299,9 @@ async def serve_until_signal(running: RunningServer, domain: Drainable, grace_s:
 
     Health turns NOT_SERVING, new work is refused (UNAVAILABLE) while in-flight
     work (live sessions, running requests) finishes, for at most grace_s; then
-    the server stops and the domain is closed.
+    the streams a peer holds open between requests end (a draft's relay: the
+    server would otherwise wait for it to the end of grace_s), the server stops
+    and the domain is closed.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -310,7 +314,9 @@ async def serve_until_signal(running: RunningServer, domain: Drainable, grace_s:
     deadline = time.monotonic() + grace_s
     while not domain.idle() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if not domain.idle():
+    if domain.idle():
+        domain.end_idle_streams()
+    else:
         log.warning("grace period over with work in flight; stopping anyway")
     await running.server.stop(max(0.1, deadline - time.monotonic()))
     await domain.aclose()
