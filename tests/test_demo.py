@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -84,10 +85,15 @@ def test_demo_shows_the_same_text_and_a_speedup(tmp_path):
     assert not list(tmp_path.glob("specdec-demo-*")), "logs of a successful demo are removed"
 
 
-def test_demo_names_its_logs_when_a_service_fails(tmp_path):
+def test_demo_names_its_logs_when_a_service_fails(tmp_path, monkeypatch):
+    """In this process (the command itself runs in the test above): the services fork."""
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
-    rc, out, _ = run_command(tmp_path, "--set", f"draft.model={not_a_model}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the log folder lands here
+    text = io.StringIO()
+    sets = free_port_overrides()[1::2] + [f"draft.model={not_a_model}"]
+    rc = run_demo(None, sets, out=text)
+    out = text.getvalue()
     assert rc == 1
     m = re.search(r"^service logs: (\S+)$", out, re.M)
     assert m, out
