@@ -10,10 +10,11 @@ change of its process: CPU affinity of every thread, torch's thread count,
 SIGINT/SIGTERM handlers, the environment, the working directory, ``sys.argv``
 and random state.
 
-Not for a benchmark that changes its own niceness (``benchmarks.run``'s pinned
-front, ``benchmarks.placement``): raising it is allowed without root, lowering
-it back is not, so those keep a fresh interpreter (``run_fresh``). A benchmark
-that reniced this process anyway fails its test here.
+The pinned benchmarks raise their own niceness (the front at ``FRONT_NICE``,
+``benchmarks.run``), and lowering it back needs CAP_SYS_NICE (root has it): a
+process without it runs every benchmark in a fresh interpreter instead
+(``run_fresh``), as a benchmark that left this process's niceness changed would
+fail its test.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.local.stack import pin_process
+from specdec.local.stack import nice_process, pin_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,8 +48,11 @@ class Ran:
 
 
 def run_benchmark(module: str, *args: str) -> Ran:
-    """``python -m module args`` run in this process; it must exit 0 (a raised
-    exception fails the test with the benchmark's own traceback)."""
+    """``python -m module args`` run in this process where it can renice itself back
+    (else ``run_fresh``); it must exit 0 (a raised exception fails the test with the
+    benchmark's own traceback)."""
+    if not _can_lower_niceness():
+        return run_fresh(module, *args, timeout=600)
     out = io.StringIO()
     with _process_restored(), contextlib.redirect_stdout(out), warnings.catch_warnings():
         # A module a test imported runs again as __main__, as `python -m` runs it.
@@ -76,6 +80,17 @@ def run_fresh(module: str, *args: str, timeout: float) -> Ran:
     return Ran(proc.stdout)
 
 
+def _can_lower_niceness() -> bool:
+    """Whether this process has CAP_SYS_NICE (capability 23) in effect."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return False
+    for line in status.read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 23 & 1)
+    return False
+
+
 @contextlib.contextmanager
 def _process_restored() -> Iterator[None]:
     argv, cwd, environ = sys.argv[:], os.getcwd(), dict(os.environ)
@@ -88,6 +103,7 @@ def _process_restored() -> Iterator[None]:
     try:
         yield
     finally:
+        nice_process(os.getpid(), niceness)
         sys.argv = argv
         os.chdir(cwd)
         os.environ.clear()

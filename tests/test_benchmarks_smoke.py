@@ -4,7 +4,7 @@
 results.json with the expected sections, results.md with its tables, and the
 PNG plots; the delay proxy must forward bytes unchanged and add its delay; every
 other benchmark runs one short round and writes its report. They run inside this
-process (``tests/benchrun.py``), but for the two that renice themselves.
+process where it may renice itself back (``tests/benchrun.py``).
 """
 
 from __future__ import annotations
@@ -22,18 +22,17 @@ import pytest
 from specdec.local.proxy import ProxyGroup
 from specdec.local.stack import pin_process
 
-from .benchrun import REPO, run_benchmark, run_fresh
+from .benchrun import REPO, run_benchmark
 
 
 def test_quick_run_writes_results(tmp_path, llama_pair):
     draft, target = llama_pair
     out = tmp_path / "results"
-    ran = run_fresh(
+    ran = run_benchmark(
         "benchmarks.run", "--quick", "--draft", str(draft),
         "--target", str(target), "--out", str(out), "--max-new-tokens", "6",
         # every section but the thread settings (more stacks of the same code, 25 s)
         "--sections", "analysis,hf,services,pinned,head_to_head,inprocess,rtt,concurrency,wire",
-        timeout=600,
     )  # fmt: skip
     assert "criteria:" in ran.stdout
 
@@ -237,10 +236,10 @@ def test_placement_writes_results(tmp_path):
     """``benchmarks.placement`` on the demo pair, one round of one prompt: every
     placement of the orchestrator measured, and the report has the row. (In an order
     whose niceness never falls: lowering it needs root.)"""
-    run_fresh(
+    run_benchmark(
         "benchmarks.placement", "--rounds", "1", "--configs", "seq2@0", "--prompts", "1",
         "--max-new-tokens", "4", "--out", str(tmp_path),
-        "--placements", "draft-nice0", "free", "draft", "target", timeout=300,
+        "--placements", "draft-nice0", "free", "draft", "target",
     )  # fmt: skip
     rates = json.loads((tmp_path / "results.json").read_text())["rates"]
     assert {place: len(v["seq2@0"]) for place, v in rates.items()} == {
