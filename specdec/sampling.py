@@ -380,7 +380,8 @@ def sparse_q(
         listed = z[ids]  # [k]
         lead = 0 if eps > 0 else int(np.argmax(listed))
         top = float(listed[lead])
-        log_total = top + math.log(float(np.exp(z - top).sum(dtype=np.float64)))
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, refused just below
+            log_total = top + math.log(float(np.exp(z - top).sum(dtype=np.float64)))
         _require_finite(log_total)
         probs = np.exp(listed.astype(np.float64) - log_total)  # [k] warped mass of each
         return quantize(ids, probs, vocab, eps, bits, params.full_support, lead)
