@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.local import forkserver
 from specdec.local.stack import nice_process, pin_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +54,8 @@ def run_benchmark(module: str, *args: str) -> Ran:
     benchmark's own traceback)."""
     if not _can_lower_niceness():
         return run_fresh(module, *args, timeout=600)
+    if forkserver.wanted(None, None):  # the template starts before any pinning or renicing
+        forkserver.start()
     out = io.StringIO()
     with _process_restored(), contextlib.redirect_stdout(out), warnings.catch_warnings():
         # A module a test imported runs again as __main__, as `python -m` runs it.
