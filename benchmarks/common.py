@@ -96,6 +96,19 @@ def git_commit() -> str:
         return ""
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` intra-op threads inside the block, as before after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def module_at(rev: str, path: str) -> types.ModuleType:
     """The module in the repository file ``path`` as it was at git revision ``rev``
     (benchmarks' ``--against``), loaded beside this build's."""

@@ -31,7 +31,15 @@ from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, stacks_per_arm
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    Client,
+    machine_info,
+    stacks_per_arm,
+    torch_threads,
+)
 from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
@@ -50,9 +58,7 @@ MAX_NEW = 64
 @torch.inference_mode()
 def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
     """{shape: {wrapped, lean, wrapped_best, lean_best}} ms, one thread, one runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         model = load_model(path)
         runner = RaggedRunner(model)
         if not runner.lean:
@@ -77,8 +83,6 @@ def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
             cell = {arm: statistics.median(ts) for arm, ts in times.items()}
             cell |= {f"{arm}_best": min(ts) for arm, ts in times.items()}
             out[f"{tokens}x{sessions}"] = cell
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -29,7 +29,14 @@ from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, stacks_per_arm
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    machine_info,
+    stacks_per_arm,
+    torch_threads,
+)
 from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES as MODES
 from .run import sustained_round, sustained_side_by_side
@@ -57,9 +64,7 @@ def pass_ms(runner: RaggedRunner, tokens: int, sessions: int, passes: int) -> fl
 @torch.inference_mode()
 def pass_times(path: str, passes: int, shapes=SHAPES) -> dict[str, dict[str, float]]:
     """{shape: {stock, packed}} ms for the model at ``path``, one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         stock = RaggedRunner(load_model(path))
         model = load_model(path)
         packed_linear.pack_model(model, min_rows=1)
@@ -71,8 +76,6 @@ def pass_times(path: str, passes: int, shapes=SHAPES) -> dict[str, dict[str, flo
                 a = min(a, pass_ms(stock, tokens, sessions, passes))
                 b = min(b, pass_ms(packed, tokens, sessions, passes))
             out[f"{tokens}x{sessions}"] = {"stock": a, "packed": b}
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -35,7 +35,7 @@ from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, machine_info
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, machine_info, torch_threads
 
 _COLD_BYTES = 64 * 1024 * 1024  # twice the 32 MB L3 of the machine measured
 
@@ -46,9 +46,7 @@ def pass_grid(
 ) -> list[dict]:
     """One row per (context, tokens per session, sessions): median ms of a pass with
     that many sessions, and of one session fed all their tokens."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         model = load_model(path)
         runner = RaggedRunner(model)
         packed_linear.pack_model(model, runner, 64, 0)
@@ -72,8 +70,6 @@ def pass_grid(
                         {"context": context, "tokens_per_session": n, "sessions": s,
                          "ms": many, "one_session_ms": one}
                     )  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
     return rows
 
 
