@@ -137,19 +137,18 @@ class Verifier(ModelService):
             and (cache_len, list(pending)) == (ahead.cache_len, ahead.fed[:1])
         ):
             verdict = await self._verify_ahead(session, ahead, drafts, qs)
-            self.sessions.update_gauges()
-            verdict.compute_s = time.perf_counter() - start
-            return verdict
-        if not pending and (last.length != cache_len or last.rows is None):
-            raise FailedPrecondition(
-                f"pending_tokens: empty, but the session's last pass did not end at "
-                f"cache_len {cache_len} (it ended at {last.length})"
+        else:
+            if not pending and (last.length != cache_len or last.rows is None):
+                raise FailedPrecondition(
+                    f"pending_tokens: empty, but the session's last pass did not end at "
+                    f"cache_len {cache_len} (it ended at {last.length})"
+                )
+            self.roll_back_to(session, cache_len)
+            kind = "verify" if drafts else "decode"
+            verdict = await self.run(
+                self._verify(session, pending, drafts, qs, seed, dense_p, pit, run, guesses),
+                kind,
             )
-        self.roll_back_to(session, cache_len)
-        kind = "verify" if drafts else "decode"
-        verdict = await self.run(
-            self._verify(session, pending, drafts, qs, seed, dense_p, pit, run, guesses), kind
-        )
         self.sessions.update_gauges()
         verdict.compute_s = time.perf_counter() - start
         return verdict
