@@ -305,7 +305,7 @@ class Drafter(ModelService):
         if ahead and live and state.proposes == proposes + 1 and state.asked == block:
             after = state.drafting
         elif state.proposes != proposes or not live:
-            metrics.DRAFTED_ON.labels("skipped").inc()
+            metrics.labelled(metrics.DRAFTED_ON, "skipped").inc()
             return
         # The target's cursor does not matter here: only the draft's is used.
         outcome = settle(Cursor(0, ()), cursor, drafts, verdict, u)
@@ -317,10 +317,10 @@ class Drafter(ModelService):
         guessed = guess is not None and guess.seed in (None, seed)
         self.drop_guesses(session, keep=key if guessed else None)  # the rest are moot
         if guessed:  # its propose takes the guess
-            metrics.DRAFTED_ON.labels("skipped").inc()
+            metrics.labelled(metrics.DRAFTED_ON, "skipped").inc()
             return
         if not fits or not unused or nxt.end + gamma > self.max_context:
-            metrics.DRAFTED_ON.labels("skipped").inc()  # the propose will say what to do
+            metrics.labelled(metrics.DRAFTED_ON, "skipped").inc()  # the propose will say what to do
             return
         if ahead and state.proposes == proposes:  # its propose may still come
             state.moot = block
@@ -360,13 +360,13 @@ class Drafter(ModelService):
                 head.limit[0] = gamma
                 try:
                     await asyncio.shield(head.task)
-                    metrics.DRAFTED_ON.labels("used").inc()
+                    metrics.labelled(metrics.DRAFTED_ON, "used").inc()
                     return head
                 except Exception:
                     pass
         head.task.cancel()
         await asyncio.wait([head.task])
-        metrics.DRAFTED_ON.labels("discarded").inc()
+        metrics.labelled(metrics.DRAFTED_ON, "discarded").inc()
         return None
 
     def _from_head(
@@ -427,7 +427,7 @@ class Drafter(ModelService):
         state: DraftState = session.extra
         for ask in [a for a in state.guesses if a != keep]:
             state.guesses.pop(ask).task.cancel()
-            metrics.DRAFT_GUESSES.labels("unused").inc()
+            metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc()
 
     async def _take_guess(
         self,
@@ -449,16 +449,16 @@ class Drafter(ModelService):
             return None
         if guess.seed not in (None, seed):
             guess.task.cancel()
-            metrics.DRAFT_GUESSES.labels("unused").inc()
+            metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc()
             return None
         try:
             proposal: Proposal = await asyncio.shield(guess.task)
         except Exception:  # (it failed: drafted anew)
             return None
         if not session.params.greedy and gamma > len(proposal.tokens):
-            metrics.DRAFT_GUESSES.labels("unused").inc()
+            metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc()
             return None
-        metrics.DRAFT_GUESSES.labels("used").inc()
+        metrics.labelled(metrics.DRAFT_GUESSES, "used").inc()
         self.loop.forget(session.kv)
         session.kv = guess.kv
         cache_len, feed = ask
@@ -497,7 +497,7 @@ class Drafter(ModelService):
         state.last = state.asked = state.moot = None  # the pipeline moves the cache on
         state.pipeline = asyncio.ensure_future(pipeline.run())
         state.pipeline.add_done_callback(_consume)
-        metrics.PIPELINE_BLOCKS.labels("first").inc()
+        metrics.labelled(metrics.PIPELINE_BLOCKS, "first").inc()
 
     async def stop_pipeline(self, session: Session) -> None:
         """Stop the session's pipeline, if any, after its current forward."""

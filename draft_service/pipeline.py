@@ -164,7 +164,7 @@ class Pipeline:
             chain.first_token = first
         if not await self._relay(nxt, proposal.qs[match:], chain):
             return False
-        metrics.PIPELINE_BLOCKS.labels("follower").inc()
+        metrics.labelled(metrics.PIPELINE_BLOCKS, "follower").inc()
         self.chain.append(nxt)
         return True
 
@@ -214,7 +214,7 @@ class Pipeline:
             )
             if not await self._relay(guess, proposal.qs, chain, Cursor(t.end + j, (y,))):
                 return
-            metrics.PIPELINE_BLOCKS.labels("guess").inc()
+            metrics.labelled(metrics.PIPELINE_BLOCKS, "guess").inc()
             self.guesses[j] = (guess, kv)
 
     async def _settle(self, b: Block, verdict: Verdict) -> None:
@@ -235,21 +235,21 @@ class Pipeline:
         self.target_cursor = outcome.target
         guesses, self.guesses = self.guesses, {}
         if outcome.chained:  # the target is verifying the next block already
-            metrics.DRAFT_GUESSES.labels("unused").inc(len(guesses))
+            metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc(len(guesses))
             self.chain.pop(0)
             return
         n = outcome.accepted
         guess, kv = guesses.pop(n, (None, None))
         drew = verdict.residual_tokens[n] if n < len(b.drafts) else None
-        metrics.DRAFT_GUESSES.labels("unused").inc(len(guesses))
+        metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc(len(guesses))
         if guess is not None and drew == guess.draft.pending[0]:  # (the target runs it)
-            metrics.DRAFT_GUESSES.labels("used").inc()
+            metrics.labelled(metrics.DRAFT_GUESSES, "used").inc()
             self.drafter.loop.forget(self.session.kv)
             self.session.kv = kv  # the copy it was drafted on, now the session's
             self.chain = [guess]
             return
         if guess is not None:
-            metrics.DRAFT_GUESSES.labels("unused").inc()
+            metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc()
         self.chain = []
         g = pipeline_gamma(left, self.gamma)
         if not g:
@@ -262,7 +262,7 @@ class Pipeline:
         after = target_pb2.Chain(after_seed=b.seed, after_rejection=True)
         if await self._relay(fresh, proposal.qs, after, cursor=outcome.target):
             tracing.mark("pipeline-relayed")
-            metrics.PIPELINE_BLOCKS.labels("fresh").inc()
+            metrics.labelled(metrics.PIPELINE_BLOCKS, "fresh").inc()
             self.chain = [fresh]
 
     async def _draft(self, cursor: Cursor, gamma: int, seed: int):

@@ -154,7 +154,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tracing.mark("echo")
             live = ref()
             if live is None or len(v.p_draft) != len(drafts):
-                metrics.DRAFTED_ON.labels("skipped").inc()
+                metrics.labelled(metrics.DRAFTED_ON, "skipped").inc()
                 return
             verdict = Verdict(
                 list(v.p_draft), list(v.q_draft), list(v.residual_tokens), v.bonus_token

@@ -422,15 +422,15 @@ class Generation:
         """Every call to a model service reports its bytes here (WireCounter)."""
         self.stats.round_trips += 1
         self.stats.wire_bytes += sent + received
-        metrics.ROUND_TRIPS.labels(peer).inc()
-        metrics.WIRE_BYTES.labels(peer, "sent").inc(sent)
-        metrics.WIRE_BYTES.labels(peer, "received").inc(received)
+        metrics.labelled(metrics.ROUND_TRIPS, peer).inc()
+        metrics.labelled(metrics.WIRE_BYTES, peer, "sent").inc(sent)
+        metrics.labelled(metrics.WIRE_BYTES, peer, "received").inc(received)
 
     def fallback(self, reason: str) -> None:
         """A step decoded by the target alone because the draft is unavailable."""
         self.stats.fallback_steps += 1
         self.stats.fallback_reasons.add(reason)
-        metrics.FALLBACK_STEPS.labels(reason).inc()
+        metrics.labelled(metrics.FALLBACK_STEPS, reason).inc()
         self.orch.update_speculation_gauge()
 
     # ---- the loop --------------------------------------------------------------------
@@ -522,12 +522,14 @@ class Generation:
                 relayed = proposal is not None and proposal.relayed
                 if self.pipe is not None:
                     if relayed:  # its verdict, and those of the steps after it, will come
-                        metrics.RELAYED_STEPS.labels("relayed").inc()
+                        metrics.labelled(metrics.RELAYED_STEPS, "relayed").inc()
                         self.observe_draft(proposal, time.perf_counter() - t0)
                         return await self.follow(t0)
                     self.stop_pipeline()
                 if relay is not None:
-                    metrics.RELAYED_STEPS.labels("relayed" if relayed else "not_relayed").inc()
+                    metrics.labelled(
+                        metrics.RELAYED_STEPS, "relayed" if relayed else "not_relayed"
+                    ).inc()
                     if not relayed:
                         # The target may have it, or still get it: it must refuse it, and
                         # its verdict must not pass for this step's (a seed of its own).
@@ -579,7 +581,9 @@ class Generation:
         )
         self.apply(outcome, verdict)
         if ahead_task is not None:
-            metrics.OVERLAPPED_STEPS.labels("used" if outcome.chained else "discarded").inc()
+            metrics.labelled(
+                metrics.OVERLAPPED_STEPS, "used" if outcome.chained else "discarded"
+            ).inc()
         if outcome.chained:
             self.ahead = drop_first(next_proposal) if match else next_proposal
             self.stats.overlapped_steps += 1
@@ -728,7 +732,7 @@ class Generation:
                 pipe.kinds = (FRESH,)
             if kind != FRESH:  # this block was drafted while the one before was verified
                 self.stats.overlapped_steps += 1
-                metrics.OVERLAPPED_STEPS.labels("used").inc()
+                metrics.labelled(metrics.OVERLAPPED_STEPS, "used").inc()
             if not pipeline_gamma(left, pipe.gamma):  # the pipeline drafts no more
                 self.pipe = None
         t2 = time.perf_counter()
@@ -832,15 +836,15 @@ class Generation:
             metrics.ACCEPTED_TOKENS.inc(n)
             metrics.STEP_ACCEPTED.observe(n)
             for i in range(1, gamma + 1):
-                metrics.DRAFTED_BY_POSITION.labels(metrics.position_label(i)).inc()
+                metrics.labelled(metrics.DRAFTED_BY_POSITION, metrics.position_label(i)).inc()
                 if i <= n:
-                    metrics.ACCEPTED_BY_POSITION.labels(metrics.position_label(i)).inc()
+                    metrics.labelled(metrics.ACCEPTED_BY_POSITION, metrics.position_label(i)).inc()
             if t_propose > 0:  # (none in a pipelined step: nobody asked the draft)
-                metrics.STAGE_DURATION.labels("propose").observe(t_propose)
-        metrics.STAGE_DURATION.labels("verify").observe(t_verify)
+                metrics.labelled(metrics.STAGE_DURATION, "propose").observe(t_propose)
+        metrics.labelled(metrics.STAGE_DURATION, "verify").observe(t_verify)
         if self.o.explicit_rollback:
-            metrics.STAGE_DURATION.labels("rollback").observe(t_rb)
-        metrics.STAGE_DURATION.labels("orchestrator").observe(
+            metrics.labelled(metrics.STAGE_DURATION, "rollback").observe(t_rb)
+        metrics.labelled(metrics.STAGE_DURATION, "orchestrator").observe(
             max(0.0, total - t_propose - t_verify - t_rb)
         )
 
@@ -914,7 +918,7 @@ class Generation:
             yield self.stats
         finally:
             for reason in self.stats.fallback_reasons:
-                metrics.FALLBACK_REQUESTS.labels(reason).inc()
+                metrics.labelled(metrics.FALLBACK_REQUESTS, reason).inc()
             self.orch.spawn(self.close())
 
     async def close(self) -> None:

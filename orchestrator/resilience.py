@@ -397,7 +397,7 @@ class TargetLink(_Link):
                 raise  # this request's own failure: no retry, no breaker
             if relayed:  # its q went only to that target: this step decodes plain
                 proposal, run, dropped, follow = None, 1, True, ()
-                metrics.RELAYED_STEPS.labels("lost").inc()
+                metrics.labelled(metrics.RELAYED_STEPS, "lost").inc()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 

@@ -15,6 +15,8 @@ Not for: computing anything; services call ``.observe``/``.inc`` on these.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 # Latency buckets from 0.5 ms to 60 s: a CPU decode step is ~5 ms, a request seconds.
@@ -428,6 +430,24 @@ def registry_for(role: str) -> CollectorRegistry:
     if role == "gateway":
         return GATEWAY_REGISTRY
     return ORCHESTRATOR_REGISTRY if role == "orchestrator" else MODEL_REGISTRY
+
+
+_CHILDREN: dict[tuple, Any] = {}
+
+
+def labelled(metric: Any, *values: str) -> Any:
+    """``metric.labels(*values)``, looked up once per process.
+
+    prometheus_client validates the values and takes a lock on every ``labels``
+    call (about 2 us, several times that on cold caches right after a forward
+    pass); the hot path calls this instead, once or more per step. Every label
+    value here comes from a bounded set, and no series is ever removed.
+    """
+    key = (metric, values)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*values)
+    return child
 
 
 def position_label(position: int) -> str:

@@ -215,7 +215,7 @@ class Verifier(ModelService):
             return False
         self.roll_back_to(session, at)  # (the first time: the verify's rejected drafts)
         logits, _ = await self.run(self._feed(session, a.fed[-1:]), "decode")  # [1, vocab]
-        metrics.LOOKAHEAD_TOKENS.labels("decoded").inc()
+        metrics.labelled(metrics.LOOKAHEAD_TOKENS, "decoded").inc()
         if session.extra.ahead is a:
             a.rows.append(logits)
             a.fed.append(int(greedy_tokens(logits)[0]))
@@ -233,7 +233,7 @@ class Verifier(ModelService):
             # goes on from t[n] (n: the tokens accepted), and its continuation after
             # that is the rest of this one, already in the cache.
             n = gamma if i is None else i
-            metrics.LOOKAHEAD_TOKENS.labels("used").inc(n + 1)
+            metrics.labelled(metrics.LOOKAHEAD_TOKENS, "used").inc(n + 1)
             # Positions past the first rejection are never read (residual_tokens is used
             # only there, bonus_token only if none is rejected); they repeat its token.
             verdict = Verdict(
@@ -247,7 +247,7 @@ class Verifier(ModelService):
             verdict.cache_len = end
             return verdict
         # x_1..x_k are the rows' tokens: feed x_k..x_gamma for the rest
-        metrics.LOOKAHEAD_TOKENS.labels("used").inc(k)
+        metrics.labelled(metrics.LOOKAHEAD_TOKENS, "used").inc(k)
         more, forward = await self.run(self._feed(session, drafts[k - 1 :]), "verify")
         logits = torch.cat([*a.rows, more])  # [gamma + 1, vocab]
         last.rows, last.length = logits, session.length
@@ -299,7 +299,7 @@ class Verifier(ModelService):
         tracing.mark("judged")
         for y, z in zip(guesses, verdict.residual_tokens, strict=False):
             if y >= 0:  # (a draw not kept is never the guess: h(y) = 0 there)
-                metrics.RESIDUAL_GUESSES.labels("kept" if z == y else "redrawn").inc()
+                metrics.labelled(metrics.RESIDUAL_GUESSES, "kept" if z == y else "redrawn").inc()
         passes = [forward] if forward is not None else []
         # A plain run: feed each draw and draw the next from the p after it.
         token = verdict.bonus_token

@@ -328,6 +328,20 @@ def test_every_metric_name_exists_and_every_metric_is_on_the_dashboard():
     assert not missing, f"metrics not on the dashboard: {sorted(missing)}"
 
 
+def test_labelled_is_the_series_labels_gives_and_counts_into_it():
+    from specdec import metrics
+
+    child = metrics.labelled(metrics.WIRE_BYTES, "draft", "sent")
+    assert child is metrics.WIRE_BYTES.labels("draft", "sent")
+    assert metrics.labelled(metrics.WIRE_BYTES, "draft", "sent") is child
+    assert metrics.labelled(metrics.WIRE_BYTES, "draft", "received") is not child
+    registry = metrics.registry_for("orchestrator")
+    labels = {"peer": "draft", "direction": "sent"}
+    before = registry.get_sample_value("specdec_wire_bytes_total", labels) or 0.0
+    child.inc(7)
+    assert registry.get_sample_value("specdec_wire_bytes_total", labels) == before + 7
+
+
 def test_threshold_stripping():
     assert strip_thresholds('up{job=~"specdec.*"} == 0') == 'up{job=~"specdec.*"}'
     assert (
