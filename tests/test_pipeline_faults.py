@@ -1,0 +1,182 @@
+"""Faults in the middle of a pipeline (``orchestrator.pipeline``), with the target's
+own greedy continuation on (``target.lookahead_tokens``).
+
+A pipelined request is paced by the draft: the draft relays each block to the target
+unasked, the target runs it and answers the orchestrator, which only listens. Here
+the draft is killed, stopped and brought back, the target is killed and restarted,
+and the client walks away, each while such a request runs. Each case asserts what
+``test_faults`` asserts of an ordinary request: the output is the no-fault output
+token for token (greedy), the request ends in time, and no session is left on
+either service.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from .stack import local_stack
+from .test_faults import (
+    LONG,
+    PROMPT,
+    Streamer,
+    greedy,
+    no_sessions,
+    run_to_end,
+    wait_until,
+)
+from .test_pipeline import PIPELINE, _blocks, _lookahead
+
+RELAY_TIMEOUT_S = 1.0
+DRAFT_TIMEOUT_S = 2.0  # (the tests' stack waits 30 s for the draft unless told)
+
+
+@pytest.fixture(scope="module")
+def piped_stack(tmp_path_factory, llama_pair):
+    with local_stack(
+        tmp_path_factory.mktemp("pipeline-faults"),
+        *llama_pair,
+        orchestrator__draft_retry_after_s=0.5,
+        orchestrator__draft_retry_max_s=1.0,
+        orchestrator__relay_timeout_s=RELAY_TIMEOUT_S,
+        orchestrator__draft_timeout_s=DRAFT_TIMEOUT_S,
+        target__lookahead_tokens=2,
+        **PIPELINE,
+    ) as stack:
+        yield stack
+
+
+@pytest.fixture
+def stack(piped_stack):
+    """The shared stack, whole and answering; whatever a test kills is restarted after it."""
+    s = piped_stack
+    wait_until(lambda: run_to_end(greedy(s, n=2)).error is None, what="the stack to answer")
+    yield s
+    for role in s.ROLES:
+        p = s.proc(role)
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)  # (a no-op unless a test stopped it)
+        else:
+            s.restart(role)
+
+
+@pytest.fixture(scope="module")
+def reference(piped_stack):
+    """The no-fault greedy output, pipelined: the pipeline, its followers and the
+    target's continuation all ran for it."""
+    followers, used = _blocks(piped_stack, "follower"), _lookahead(piped_stack, "used")
+    s = run_to_end(greedy(piped_stack))
+    assert s.error is None and len(s.ids) == LONG
+    assert _blocks(piped_stack, "follower") > followers
+    assert _lookahead(piped_stack, "used") > used
+    return s.ids
+
+
+def _mid_pipeline(stack, s: Streamer | None = None) -> Streamer:
+    """A request (greedy unless given) started and past its first chunk, its
+    pipeline running."""
+    blocks = _blocks(stack, "follower")
+    s = s or greedy(stack)
+    s.start()
+    assert s.first_chunk.wait(60)
+    wait_until(lambda: _blocks(stack, "follower") > blocks, what="a pipelined block")
+    assert s.is_alive(), "the request ended before a fault could reach it"
+    return s
+
+
+def test_draft_killed_mid_pipeline_falls_back_exactly(stack, reference):
+    s = _mid_pipeline(stack)
+    stack.signal("draft", signal.SIGKILL)
+    s.join(120)
+    assert s.error is None, s.error
+    assert s.ids == reference
+    assert s.stats.fallback_steps > 0
+    no_sessions(stack, roles=("target",))
+
+    stack.restart("draft")
+    time.sleep(1.2)  # the breaker's back-off: speculation, and pipelines, resume
+    followers = _blocks(stack, "follower")
+    again = run_to_end(greedy(stack, n=80))
+    assert again.ids == reference[:80]
+    assert _blocks(stack, "follower") > followers
+    no_sessions(stack)
+
+
+def test_draft_stopped_mid_pipeline_costs_the_relay_timeout_not_a_hang(stack, reference):
+    """A draft that stops answering (SIGSTOP: alive, its connections open) strands the
+    pipeline's next block: the orchestrator gives the relay up after
+    ``relay_timeout_s``, decodes on, and the draft's calls time out to fallback steps."""
+    s = _mid_pipeline(stack)
+    stack.signal("draft", signal.SIGSTOP)
+    stopped = time.monotonic()
+    s.join(60)
+    took = time.monotonic() - stopped
+    stack.signal("draft", signal.SIGCONT)
+    assert not s.is_alive(), "the request hung behind a stopped draft"
+    assert s.error is None, s.error
+    assert s.ids == reference
+    assert s.stats.fallback_steps > 0
+    # the relay given up, then one draft call timed out, and the breaker open: the
+    # rest decodes plain at once
+    assert took < RELAY_TIMEOUT_S + DRAFT_TIMEOUT_S + 8, took
+    no_sessions(stack)
+
+
+def test_target_restarted_mid_pipeline_completes_identically(stack, reference):
+    s = _mid_pipeline(stack)
+    stack.signal("target", signal.SIGKILL)
+    stack.restart("target")  # sessions gone: re-prefilled from the orchestrator's history
+    s.join(120)
+    assert s.error is None, s.error
+    assert s.ids == reference
+    no_sessions(stack)
+
+
+def test_a_client_gone_mid_pipeline_leaves_no_session_and_no_stale_block(stack, reference):
+    blocks = _blocks(stack, "follower")
+    req = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=PROMPT),
+        max_new_tokens=LONG,
+        temperature=0.0,
+        gamma=4,
+    )
+    with grpc.insecure_channel(stack.orchestrator_address) as ch:
+        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(req, timeout=120)
+        got = 0
+        for msg in call:
+            got += len(msg.chunk.token_ids)
+            if got >= 40 and _blocks(stack, "follower") > blocks:
+                break
+        call.cancel()
+    wait_until(
+        lambda: stack.metric("orchestrator", "specdec_live_requests") == 0,
+        what="the request to end",
+    )
+    no_sessions(stack)
+    # Whatever the draft had relayed for it is gone with its session: a new request
+    # on the same prompt is untouched by it.
+    again = run_to_end(greedy(stack))
+    assert again.error is None and again.ids == reference
+    no_sessions(stack)
+
+
+def test_sampled_pipeline_survives_a_draft_kill(stack):
+    sampled = Streamer(
+        stack.orchestrator_address,
+        token_ids=orchestrator_pb2.TokenIds(ids=PROMPT),
+        max_new_tokens=LONG,
+        temperature=1.0,
+        gamma=4,
+        seed=11,
+    )
+    s = _mid_pipeline(stack, sampled)
+    stack.signal("draft", signal.SIGKILL)
+    s.join(120)
+    assert s.error is None, s.error
+    assert len(s.ids) == LONG and s.stats.generated_tokens == LONG
+    no_sessions(stack, roles=("target",))
