@@ -20,7 +20,7 @@ from specdec.sampling import Proposal, SamplingParams, Verdict
 from specdec.transport.relay import RelayInboxes
 from specdec.v1 import target_pb2, target_pb2_grpc
 
-from .stack import drafted_on, local_stack
+from .stack import drafted_on, free_port, local_stack
 
 
 def test_an_inbox_takes_its_own_relays_and_refuses_cancelled_or_unknown_ones():
@@ -274,5 +274,31 @@ def test_a_relayed_verdict_that_never_comes_costs_one_bounded_wait():
         assert verdict.drafts_dropped and verdict.p_draft == []
         assert pool.replicas["a:1"].port.opened == 2  # re-opened, same replica
         assert link.relay_to(seed=6, pit=False) is None  # no more relays for it
+
+    asyncio.run(go())
+
+
+def test_a_write_to_a_relay_stream_that_just_ended_breaks_the_link_not_the_caller():
+    """The target's stream can end (the target died) between the reader's last read and
+    its marking the link broken: grpc.aio then refuses the write with
+    InvalidStateError. The relay is not sent, and the caller (a propose, a pipeline)
+    goes on: found by a chaos run whose pipelines stopped with that traceback."""
+    from specdec.config import TlsConfig
+    from specdec.transport.channels import open_channel
+    from specdec.transport.relay import _Link
+
+    async def go():
+        troubles = []
+        channel = open_channel(f"127.0.0.1:{free_port()}", TlsConfig(), 1 << 20)
+        link = _Link(channel, troubles.append)
+
+        async def finished(request):
+            raise asyncio.InvalidStateError("RPC already finished.")
+
+        link.call.write = finished
+        request = target_pb2.RelayedVerify(relay_token=b"t")
+        assert await link.send(request, 1.0, lambda v: None) is False
+        assert link.broken and not link.echoes
+        await link.aclose()
 
     asyncio.run(go())

@@ -227,7 +227,9 @@ class _Link:
             async with asyncio.timeout(timeout):
                 async with self.write_lock:
                     await self.call.write(request)
-        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            # (InvalidStateError: the stream ended, its target gone, before the reader
+            # marked the link broken)
             self.broken = True
         if self.broken:
             self.echoes.pop(request.tag, None)
