@@ -6,7 +6,7 @@
 Two draft and two target replicas (a static address list each) serve one
 orchestrator; ``--clients`` threads send Generate requests without pause, greedy
 (three in four, each checked token for token against its no-fault output) and
-sampled. Every ``--kill-every`` seconds (uniform in the range) a random replica is
+sampled, with gamma 0-6 or unset (adaptive: the orchestrator chooses it). Every ``--kill-every`` seconds (uniform in the range) a random replica is
 killed with SIGKILL and started again on its port. The promises under test
 (docs/reliability.md): a request whose target replica dies moves to the other
 replica (re-prefilled from its history, same greedy output) or fails with
@@ -205,7 +205,10 @@ class Load:
         p = rng.randrange(len(self.prompts))
         greedy = rng.random() < GREEDY_SHARE
         reference = self.references[p]
-        r = orchestrator_pb2.GenerateRequest(text=self.prompts[p], gamma=rng.randint(0, 6))
+        r = orchestrator_pb2.GenerateRequest(text=self.prompts[p])
+        gamma = rng.randint(-1, 6)
+        if gamma >= 0:  # else unset: the orchestrator chooses it (adaptive) at every step
+            r.gamma = gamma
         if greedy:  # as the reference was made: the same output, token for token
             r.max_new_tokens, r.temperature = self.max_new_tokens, 0.0
         else:
