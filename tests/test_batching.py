@@ -313,3 +313,38 @@ def test_background_jobs_neither_wait_nor_are_waited_for(llama_pair):
 
     guessed, after = asyncio.run(main())
     assert guessed < 0.5 and after < 0.5, (guessed, after)
+
+
+def test_a_second_job_for_a_busy_session_fails_alone(llama_pair):
+    """A session has one job in the forward loop at a time. A second one for the
+    same cache (a race in a service's own bookkeeping) fails at once with a message
+    naming both kinds, and alone: the first job and another session's job in the
+    same forwards finish as if it never came. (Before, it reached the runner, which
+    failed the whole forward and with it every session's job in that forward.)"""
+    import asyncio
+
+    from specdec.errors import Internal
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+
+    def job(kv, n):
+        for _ in range(n):
+            yield Feed(kv, [5], 1)
+        return kv.length
+
+    async def main():
+        loop = ForwardLoop(runner, 512, None)
+        loop.start()
+        busy, other = SessionKV(), SessionKV()
+        first = asyncio.ensure_future(loop.run(job(busy, 3), "propose"))
+        second = asyncio.ensure_future(loop.run(job(other, 3), "propose"))
+        await asyncio.sleep(0)  # both queued
+        with pytest.raises(Internal, match="a head job came while its propose job"):
+            await loop.run(job(busy, 1), "head")
+        lengths = await asyncio.gather(first, second)
+        await loop.aclose()
+        return lengths
+
+    assert asyncio.run(main()) == [3, 3]

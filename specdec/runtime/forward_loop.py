@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from specdec import tracing
+from specdec.errors import Internal
 
 from .ragged import Feed, RaggedRunner
 
@@ -121,11 +122,19 @@ class ForwardLoop:
         self._returning.pop(id(kv), None)
 
     async def run(self, job: Job, kind: str = "step") -> Any:
-        """Drive ``job`` to completion in shared forwards; returns its result."""
+        """Drive ``job`` to completion in shared forwards; returns its result.
+
+        A session (a cache) has one job here at a time. A second one fails at once
+        (``Internal``, naming both kinds), and alone: in a forward it would fail the
+        runner, and with it every other session's job in that forward."""
         try:
             feed = next(job)
         except StopIteration as done:  # a job that needs no forward
             return done.value
+        for p in self._waiting:
+            if p.feed.kv is feed.kv:
+                job.close()
+                raise Internal(f"session busy: a {kind} job came while its {p.kind} job runs")
         future = asyncio.get_running_loop().create_future()
         self._returning.pop(id(feed.kv), None)
         self._waiting.append(_Pending(job, future, feed, kind=kind))
