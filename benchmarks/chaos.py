@@ -1,13 +1,17 @@
 """Chaos under load: kill -9 and restart replicas while many clients generate.
 
     python -m benchmarks.chaos [--minutes 10] [--clients 32] [--kill-every 20 40]
-                               [--draft DIR --target DIR] [--out results/chaos-<stamp>]
+                               [--draft DIR --target DIR] [--set section.key=value ...]
+                               [--out results/chaos-<stamp>]
 
 Two draft and two target replicas (a static address list each) serve one
 orchestrator; ``--clients`` threads send Generate requests without pause, greedy
 (three in four, each checked token for token against its no-fault output) and
-sampled, with gamma 0-6 or unset (adaptive: the orchestrator chooses it). Every ``--kill-every`` seconds (uniform in the range) a random replica is
-killed with SIGKILL and started again on its port. The promises under test
+sampled, with gamma 0-6 or unset (adaptive: the orchestrator chooses it). Every
+``--kill-every`` seconds (uniform in the range) a random replica is killed with
+SIGKILL and started again on its port. ``--set`` runs the services with other
+settings (``--set orchestrator.pipeline=true``: pipelines, which run at light
+load, so with few ``--clients``). The promises under test
 (docs/reliability.md): a request whose target replica dies moves to the other
 replica (re-prefilled from its history, same greedy output) or fails with
 UNAVAILABLE if there is none; a dead draft means fallback steps (exact), never a
@@ -37,7 +41,15 @@ import yaml
 from specdec.local.stack import free_port, spawn, stop_local, wait_healthy, write_config
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, REPO, machine_info, scrape
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    REPO,
+    machine_info,
+    scrape,
+    service_settings,
+)
 
 REPLICAS = ("draft-0", "draft-1", "target-0", "target-1")
 GREEDY_SHARE = 0.75
@@ -567,6 +579,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="settings of the services, e.g. orchestrator.pipeline=true (a YAML value each)",
+    )
     ap.add_argument("--out", help="results folder (default results/chaos-<timestamp>)")
     args = ap.parse_args(argv)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -586,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         log=log,
+        **service_settings(args.set),
     )
     report["machine"] = machine_info("cpu")
     (out / "chaos.json").write_text(json.dumps(report, indent=1))
