@@ -180,3 +180,21 @@ def test_sampled_pipeline_survives_a_draft_kill(stack):
     assert s.error is None, s.error
     assert len(s.ids) == LONG and s.stats.generated_tokens == LONG
     no_sessions(stack, roles=("target",))
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_sigterm_mid_pipeline_finishes_the_request_and_exits_promptly(stack, reference, role):
+    """A draining service finishes what is in flight: a draft's pipeline ends with its
+    session (the request decodes on without it), a target runs the blocks relayed
+    for its open sessions. Either way the request's output is the no-fault one, and
+    the service exits soon after its last request, not at the end of its grace
+    period."""
+    s = _mid_pipeline(stack)
+    stack.signal(role, signal.SIGTERM)
+    s.join(120)
+    assert s.error is None, s.error
+    assert s.ids == reference
+    ended = time.monotonic()
+    assert stack.proc(role).wait(30) == 0
+    assert time.monotonic() - ended < 5.0, role
+    no_sessions(stack, roles=[r for r in ("draft", "target") if r != role])
