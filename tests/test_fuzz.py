@@ -54,7 +54,7 @@ from specdec.v1 import (
     target_pb2_grpc,
 )
 
-from .stack import local_stack
+from .stack import free_port, local_stack
 from .tiny import vocab_size
 
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "300"))
@@ -760,6 +760,156 @@ def test_fuzz_target_session(fuzz):
     run()
     print(f"\ntarget Session: message outcomes {dict(codes)}")
     reached(codes)
+    fuzz.still_serves()
+
+
+# ---- the services' own fields: relays, drafting on, pipelines, chains ---------------------
+# Fields only the orchestrator and the draft send each other (a relay's address and
+# token, the verify it carries, DraftOn, Pipeline, guesses, a Chain, plain runs). A
+# peer of another version, or a bug, may send them wrong: the answer must still be a
+# documented status, never INTERNAL or UNKNOWN, the services must stay up, and
+# nothing the fields start (a relay, a head start, a pipeline) may outlive the stream.
+# Relays go to this stack's own target or to a closed loopback port, nowhere else.
+OWN_EXAMPLES = max(50, EXAMPLES // 3)
+SMALL_UINT32 = st.one_of(st.integers(0, 12), UINT32)
+UNIFORMS = st.lists(st.one_of(st.floats(0, 1, exclude_max=True), FLOAT32, st.floats()), max_size=7)
+
+
+@st.composite
+def chains(draw) -> target_pb2.Chain:
+    return target_pb2.Chain(
+        after_seed=draw(UINT64),
+        uniforms=draw(UNIFORMS),
+        match=draw(st.booleans()),
+        first_token=draw(st.one_of(TOKEN, INT32)),
+        after_rejection=draw(st.booleans()),
+        rejected_at=draw(SMALL_UINT32),
+        residual_token=draw(st.one_of(TOKEN, INT32)),
+    )
+
+
+@st.composite
+def own_verify_fields(draw, v: target_pb2.Verify) -> None:
+    """Set some of the fields the orchestrator and the draft add to a Verify."""
+    if draw(st.booleans()):
+        v.run_tokens = draw(SMALL_UINT32)
+    if draw(st.booleans()):
+        v.return_pit = True
+    if draw(st.booleans()):
+        v.cancel_relays[:] = draw(st.lists(UINT64, max_size=3))
+    if draw(st.booleans()):
+        v.guess_tokens[:] = draw(st.lists(st.one_of(TOKEN, INT32), max_size=6))
+    if draw(st.booleans()):
+        v.alternates[:] = draw(st.lists(st.one_of(TOKEN, INT32), max_size=6))
+    if draw(st.booleans()):
+        v.pipeline = draw(UINT64)
+    if draw(st.booleans()):
+        v.chain.CopyFrom(draw(chains()))
+
+
+@st.composite
+def own_proposes(draw, length: int, relay_to: list[str]) -> draft_pb2.DraftRequest:
+    """A propose the session could take, with relay, DraftOn and Pipeline fields."""
+    cache_len = draw(st.sampled_from([length] * 6 + [length - 1, length + 1, -1]))
+    p = draft_pb2.Propose(
+        cache_len=cache_len,
+        append_tokens=draw(st.lists(TOKEN, min_size=1, max_size=3)),
+        gamma=draw(st.one_of(st.integers(1, 4), INT32)),
+        seed=draw(UINT64),
+        guess_residuals=draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        p.relay.target = draw(st.sampled_from(relay_to))
+        p.relay.relay_token = draw(st.binary(max_size=24))
+        v = p.relay.verify
+        v.cache_len = draw(st.one_of(st.integers(0, MAX_CONTEXT), INT32))
+        v.pending_tokens[:] = draw(st.lists(st.one_of(TOKEN, INT32), max_size=3))
+        v.seed = draw(UINT64)
+        draw(own_verify_fields(v))
+        if draw(st.booleans()):
+            on = p.relay.draft_on
+            on.uniforms[:] = draw(UNIFORMS)
+            on.gamma = draw(st.one_of(st.integers(1, 4), INT32))
+            on.seed = draw(UINT64)
+            on.ahead = draw(st.booleans())
+    if draw(st.booleans()):
+        p.pipeline.key = draw(UINT64)
+        p.pipeline.tokens = draw(SMALL_UINT32)
+        p.pipeline.depth = draw(SMALL_UINT32)
+    return draft_pb2.DraftRequest(propose=p)
+
+
+@st.composite
+def own_verifies(draw, length: int, kept_at: int) -> target_pb2.TargetRequest:
+    """A verify the session could take, with the fields of relays, pipelines and runs."""
+    drafts = draw(st.lists(TOKEN, max_size=4))
+    pending = draw(st.lists(TOKEN, min_size=0 if kept_at == length else 1, max_size=2))
+    v = target_pb2.Verify(
+        cache_len=draw(st.sampled_from([length] * 6 + [length + 1, -1])),
+        pending_tokens=pending,
+        draft_tokens=drafts,
+        seed=draw(UINT64),
+    )
+    q = draw(packed_qs(drafts, True))
+    if q is not None:
+        v.draft_q.CopyFrom(q)
+    draw(own_verify_fields(v))
+    return target_pb2.TargetRequest(verify=v)
+
+
+def drive_own(f: Fuzz, data, role: str, codes: Counter, relay_to: list[str]) -> None:
+    """A session opened right, then up to four messages with the services' own fields;
+    each gets its reply or ends the stream with a documented status."""
+    if role == "draft":
+        stub, request = draft_pb2_grpc.DraftServiceStub(f.channels["draft"]), draft_pb2.DraftRequest
+    else:
+        stub = target_pb2_grpc.TargetServiceStub(f.channels["target"])
+        request = target_pb2.TargetRequest
+    tokens = data.draw(st.lists(TOKEN, min_size=1, max_size=8), label="prompt")
+    params = common_pb2.SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])))
+    opening = common_pb2.OpenSession(session_id=f"own-{time.monotonic_ns()}", tokens=tokens)
+    opening.params.CopyFrom(params)
+    stream = Stream(stub)
+    try:
+        length, kept_at = stream.ask(request(open=opening)).opened.cache_len, -1
+        for _ in range(data.draw(st.integers(1, 4), label="messages")):
+            if role == "draft":
+                m = data.draw(own_proposes(length, relay_to))
+            else:
+                m = data.draw(own_verifies(length, kept_at))
+            try:
+                reply = stream.ask(m)
+            except grpc.RpcError as err:
+                codes[err.code().name] += 1
+                assert err.code() in DOCUMENTED, (err.code(), err.details(), m)
+                break
+            codes["OK"] += 1
+            if role == "draft":
+                length = reply.proposal.cache_len
+            else:
+                length = kept_at = reply.verdict.cache_len
+        else:
+            stream.outbox.put(None)
+            for _ in stream.call:  # (a reply to a verify relayed onto it may still come)
+                pass
+    finally:
+        stream.abandon()
+    f.settled()
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_fuzz_the_services_own_fields(fuzz, role):
+    codes: Counter = Counter()
+    relay_to = [fuzz.stack.address("target"), f"127.0.0.1:{free_port()}", ""]
+
+    @settings(FUZZ, max_examples=OWN_EXAMPLES)
+    @given(data=st.data())
+    def run(data):
+        drive_own(fuzz, data, role, codes, relay_to)
+
+    run()
+    print(f"\n{role} Session, the services' own fields: message outcomes {dict(codes)}")
+    assert codes["OK"] > OWN_EXAMPLES // 4 and codes["INVALID_ARGUMENT"] > 0, codes
     fuzz.still_serves()
 
 

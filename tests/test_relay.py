@@ -17,7 +17,7 @@ from orchestrator.step import Cursor
 from specdec.errors import DeadlineExceeded
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import Proposal, SamplingParams, Verdict
-from specdec.transport.relay import RelayInboxes
+from specdec.transport.relay import Relayed, RelayInboxes
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 from .stack import drafted_on, free_port, local_stack
@@ -28,7 +28,7 @@ def test_an_inbox_takes_its_own_relays_and_refuses_cancelled_or_unknown_ones():
         inboxes = RelayInboxes()
         inbox = inboxes.open()
         assert inboxes.deliver(inbox.token, "verify", (1, 0)) == ""
-        assert inbox.queue.get_nowait() == "verify"
+        assert inbox.queue.get_nowait() == Relayed("verify")  # (marked: not the caller's)
         assert "no session" in inboxes.deliver(b"x" * 16, "verify", (1, 0))
         inbox.cancel([7])
         assert "cancelled" in inboxes.deliver(inbox.token, "verify", (7, 0))

@@ -63,10 +63,11 @@ Echo = Callable[[Any], None]  # a relayed verify's verdict, back to the draft th
 
 @dataclass(frozen=True)
 class Relayed:
-    """A relayed request whose verdict also goes back to its sender (``echo``)."""
+    """A relayed request, and who else gets its verdict (``echo``: its sender, if it
+    asked)."""
 
     request: Any
-    echo: Echo
+    echo: Echo | None = None
 
 
 class Inbox:
@@ -109,7 +110,7 @@ class RelayInboxes:
             return "no session with this relay token here"
         if any(i and i in inbox.cancelled for i in ids):
             return "the session's caller cancelled this relay"
-        inbox.queue.put_nowait(request if echo is None else Relayed(request, echo))
+        inbox.queue.put_nowait(Relayed(request, echo))
         return ""
 
 

@@ -1,8 +1,9 @@
 """A model service's session is a bidirectional stream; this drives one.
 
 The first message must open the session; each later one is answered by
-exactly one reply, in order (but for a pipelined block that does not follow the
-verify before it, which is dropped with none: ``Verify.chain``). The session is
+exactly one reply, in order (but for a relayed pipelined block that does not
+follow the verify before it, which is dropped with none: ``Verify.chain``; only
+a relayed verify may be chained). The session is
 freed when the stream ends for any reason: the caller closes it, cancels it,
 its connection drops, a bad message ends it with a status, or it stays idle
 for longer than the TTL.
@@ -48,7 +49,7 @@ async def session_stream(
     reader: asyncio.Task | None = None
     try:
         while True:
-            echo = None
+            echo, relayed = None, False
             idle = on_idle is not None and inbox is not None and inbox.queue.empty()
             if idle and session is not None and await on_idle(session):
                 continue  # (and look at the queue again)
@@ -61,7 +62,7 @@ async def session_stream(
                         if isinstance(msg, BaseException):
                             raise msg
                         if isinstance(msg, Relayed):
-                            msg, echo = msg.request, msg.echo
+                            msg, echo, relayed = msg.request, msg.echo, True
             except StopAsyncIteration:
                 return
             except TimeoutError:
@@ -72,7 +73,15 @@ async def session_stream(
                     f"session: idle for more than session_ttl_s ({ttl_s:g} s); it is freed"
                 ) from None
             kind = msg.WhichOneof("kind")
-            key = msg.verify.pipeline if kind == "verify" and inbox is not None else 0
+            key = msg.verify.pipeline if kind == "verify" and relayed else 0
+            if inbox is not None and not relayed and kind == "verify":
+                # A chained block that does not follow is dropped without a reply: only
+                # a relayed one may be (nobody waits on the relay stream for its reply).
+                require(
+                    not msg.verify.HasField("chain"),
+                    "verify.chain",
+                    "only a relayed verify (a pipeline's block) may be chained",
+                )
             if key and key in inbox.cancelled:
                 continue  # a pipeline's block queued before its caller stopped it
             if session is None:
