@@ -86,10 +86,9 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 EXISTS = grpc.StatusCode.ALREADY_EXISTS
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
-# What unparseable bytes may get today. Another change makes the interceptor answer
-# INVALID_ARGUMENT; until it lands, grpc's own UNKNOWN (unary requests) or the
-# interceptor's INTERNAL (a DecodeError while reading a stream) come back.
-UNPARSEABLE = {INVALID, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# What unparseable bytes get: the interceptor's INVALID_ARGUMENT naming the request
+# (specdec.transport.server; before it, grpc's own UNKNOWN or an INTERNAL came back).
+UNPARSEABLE = {INVALID}
 # The codes the protos document for a message that parses.
 DOCUMENTED = {OK, INVALID, PRECONDITION, EXISTS, EXHAUSTED}
 
