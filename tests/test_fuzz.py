@@ -1129,12 +1129,14 @@ METHODS = {
     "/specdec.v1.DraftService/Info": ("draft", "unary_unary"),
     "/specdec.v1.TargetService/Session": ("target", "stream_stream"),
     "/specdec.v1.TargetService/Info": ("target", "unary_unary"),
+    "/specdec.v1.TargetService/Relay": ("target", "stream_stream"),
 }
 REQUEST_TYPES = {
     "Generate": orchestrator_pb2.GenerateRequest,
     "Orchestrator/Info": orchestrator_pb2.OrchestratorInfoRequest,
     "DraftService/Session": draft_pb2.DraftRequest,
     "TargetService/Session": target_pb2.TargetRequest,
+    "TargetService/Relay": target_pb2.RelayedVerify,
     "Info": common_pb2.InfoRequest,
 }
 
