@@ -7,12 +7,21 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from specdec.local.proxy import FaultProxy
 from specdec.local.stack import Stack, free_port, write_config
 from specdec.local.stack import local_stack as _local_stack
 
 from .tiny import build_pair
 
-__all__ = ["Stack", "drafted_on", "free_port", "local_stack", "planted_env", "write_config"]
+__all__ = [
+    "Stack",
+    "drafted_on",
+    "free_port",
+    "local_stack",
+    "planted_env",
+    "proxied_stack",
+    "write_config",
+]
 
 
 def drafted_on(stack: Stack, outcome: str) -> float:
@@ -59,3 +68,28 @@ def local_stack(
         draft, target = build_pair(tmp_path / "models")
     with _local_stack(tmp_path, draft, target, env=env, **overrides) as stack:
         yield stack
+
+
+@contextlib.contextmanager
+def proxied_stack(
+    tmp_path: Path, draft: Path, target: Path, **overrides
+) -> Iterator[tuple[Stack, FaultProxy, FaultProxy]]:
+    """A stack whose orchestrator reaches the draft and the target through fault
+    proxies (``specdec.local.proxy``); a draft's relays take the target's proxy too.
+    Yields (stack, draft proxy, target proxy)."""
+    draft_port, target_port = free_port(), free_port()
+    with (
+        FaultProxy("127.0.0.1", draft_port) as draft_proxy,
+        FaultProxy("127.0.0.1", target_port) as target_proxy,
+        local_stack(
+            tmp_path,
+            draft,
+            target,
+            draft__port=draft_port,
+            target__port=target_port,
+            orchestrator__draft_address=draft_proxy.address,
+            orchestrator__target_address=target_proxy.address,
+            **overrides,
+        ) as stack,
+    ):
+        yield stack, draft_proxy, target_proxy

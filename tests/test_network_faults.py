@@ -19,10 +19,9 @@ import time
 import grpc
 import pytest
 
-from specdec.local.proxy import FaultProxy
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from .stack import free_port, local_stack
+from .stack import proxied_stack
 
 PROMPT = "the proxy is in the way"
 GREEDY = dict(prompt=PROMPT, max_new_tokens=24, temperature=0.0, gamma=4, seed=7)
@@ -45,32 +44,21 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, llama_pair):
     """A stack whose orchestrator reaches draft and target through fault proxies."""
-    draft_dir, target_dir = llama_pair
-    draft_port, target_port = free_port(), free_port()
-    with (
-        FaultProxy("127.0.0.1", draft_port) as draft_proxy,
-        FaultProxy("127.0.0.1", target_port) as target_proxy,
-        local_stack(
-            tmp_path_factory.mktemp("faults"),
-            draft_dir,
-            target_dir,
-            draft__port=draft_port,
-            target__port=target_port,
-            orchestrator__draft_address=draft_proxy.address,
-            orchestrator__target_address=target_proxy.address,
-            orchestrator__draft_timeout_s=DRAFT_TIMEOUT_S,
-            draft__relay_send_timeout_s=0.1,  # the production deadline: faults are the point
-            orchestrator__draft_retry_after_s=0.2,
-            orchestrator__draft_retry_max_s=0.8,
-            orchestrator__target_retry_s=1.0,
-            orchestrator__grace_period_s=1,
-            draft__grace_period_s=1,
-            target__grace_period_s=1,
-            draft__session_ttl_s=SESSION_TTL_S,
-            target__session_ttl_s=SESSION_TTL_S,
-        ) as stack,
-    ):
-        yield stack, draft_proxy, target_proxy
+    with proxied_stack(
+        tmp_path_factory.mktemp("faults"),
+        *llama_pair,
+        orchestrator__draft_timeout_s=DRAFT_TIMEOUT_S,
+        draft__relay_send_timeout_s=0.1,  # the production deadline: faults are the point
+        orchestrator__draft_retry_after_s=0.2,
+        orchestrator__draft_retry_max_s=0.8,
+        orchestrator__target_retry_s=1.0,
+        orchestrator__grace_period_s=1,
+        draft__grace_period_s=1,
+        target__grace_period_s=1,
+        draft__session_ttl_s=SESSION_TTL_S,
+        target__session_ttl_s=SESSION_TTL_S,
+    ) as proxied:
+        yield proxied
 
 
 @pytest.fixture(scope="module")

@@ -14,67 +14,32 @@ import time
 
 import pytest
 
-from specdec.local.proxy import FaultProxy
-
-from .stack import free_port, local_stack
-from .test_faults import LONG, Streamer, no_sessions, wait_until
+from .stack import proxied_stack
+from .test_faults import LONG, Streamer, greedy, no_sessions, run_to_end, wait_until
 from .test_pipeline import PIPELINE, _blocks
-
-PROMPT = [5, 9, 2, 7, 1]
 
 
 @pytest.fixture(scope="module")
 def proxied(tmp_path_factory, llama_pair):
-    draft_dir, target_dir = llama_pair
-    draft_port, target_port = free_port(), free_port()
-    with (
-        FaultProxy("127.0.0.1", draft_port) as draft_proxy,
-        FaultProxy("127.0.0.1", target_port) as target_proxy,
-        local_stack(
-            tmp_path_factory.mktemp("pipeline-net"),
-            draft_dir,
-            target_dir,
-            draft__port=draft_port,
-            target__port=target_port,
-            orchestrator__draft_address=draft_proxy.address,
-            orchestrator__target_address=target_proxy.address,
-            orchestrator__draft_timeout_s=1.0,
-            orchestrator__relay_timeout_s=1.0,
-            orchestrator__draft_retry_after_s=0.2,
-            orchestrator__draft_retry_max_s=0.8,
-            orchestrator__target_retry_s=5.0,
-            target__lookahead_tokens=2,
-            **PIPELINE,
-        ) as stack,
-    ):
-        yield stack, draft_proxy, target_proxy
-
-
-def _greedy(stack) -> Streamer:
-    from specdec.v1 import orchestrator_pb2
-
-    return Streamer(
-        stack.orchestrator_address,
-        token_ids=orchestrator_pb2.TokenIds(ids=PROMPT),
-        max_new_tokens=LONG,
-        temperature=0.0,
-        gamma=4,
-    )
-
-
-def _run(stack) -> Streamer:
-    s = _greedy(stack)
-    s.start()
-    s.join(120)
-    assert not s.is_alive()
-    return s
+    with proxied_stack(
+        tmp_path_factory.mktemp("pipeline-net"),
+        *llama_pair,
+        orchestrator__draft_timeout_s=1.0,
+        orchestrator__relay_timeout_s=1.0,
+        orchestrator__draft_retry_after_s=0.2,
+        orchestrator__draft_retry_max_s=0.8,
+        orchestrator__target_retry_s=5.0,
+        target__lookahead_tokens=2,
+        **PIPELINE,
+    ) as proxied:
+        yield proxied
 
 
 @pytest.fixture(scope="module")
 def reference(proxied):
     stack, _, target_proxy = proxied
     followers, relayed = _blocks(stack, "follower"), target_proxy.forwarded["up"]
-    s = _run(stack)
+    s = run_to_end(greedy(stack))
     assert s.error is None and len(s.ids) == LONG
     assert _blocks(stack, "follower") > followers
     assert target_proxy.forwarded["up"] > relayed
@@ -97,7 +62,7 @@ def healed(proxied):
 def _fault_mid_pipeline(stack, fault, heal, hold_s: float) -> tuple[Streamer, float]:
     """Start a request, and once its pipeline runs apply ``fault`` for ``hold_s``."""
     blocks = _blocks(stack, "follower")
-    s = _greedy(stack)
+    s = greedy(stack)
     t0 = time.monotonic()
     s.start()
     assert s.first_chunk.wait(60)
