@@ -48,7 +48,7 @@ from .common import (
     REPO,
     machine_info,
     scrape,
-    service_settings,
+    stack_overrides,
 )
 
 REPLICAS = ("draft-0", "draft-1", "target-0", "target-1")
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         log=log,
-        **service_settings(args.set),
+        **stack_overrides(args.set),
     )
     report["machine"] = machine_info("cpu")
     (out / "chaos.json").write_text(json.dumps(report, indent=1))

@@ -17,6 +17,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.request import urlopen
 
 import grpc
@@ -132,6 +133,16 @@ def service_settings(pairs: list[str], option: str = "--set") -> dict[str, dict]
             raise SystemExit(f"{option} {pair}: want section.key=value")
         out.setdefault(section, {})[name] = yaml.safe_load(value)
     return out
+
+
+def stack_overrides(pairs: list[str], option: str = "--set") -> dict[str, Any]:
+    """``option``'s ``section.key=value`` pairs as ``write_config`` keyword overrides
+    (``section__key=value``: a section's name may be a parameter's too, ``target``)."""
+    return {
+        f"{section}__{key}": value
+        for section, keys in service_settings(pairs, option).items()
+        for key, value in keys.items()
+    }
 
 
 def machine_info(device: str) -> dict:

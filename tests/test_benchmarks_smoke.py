@@ -419,3 +419,26 @@ def test_guess_rates_writes_results(tmp_path, llama_pair):
         for key, value in result[part].items():
             if key not in ("steps", "rejections", "positions"):
                 assert 0.0 <= value <= 1.0, (part, key, value)
+
+
+def test_set_pairs_become_config_overrides_for_any_section(tmp_path):
+    """``benchmarks.chaos --set``: section.key=value pairs reach the services' config,
+    ``target.*`` and ``draft.*`` included (those names are also parameters of the
+    functions that write the config)."""
+    from benchmarks.common import stack_overrides
+    from specdec.local.stack import write_config
+
+    overrides = stack_overrides(
+        ["orchestrator.pipeline=true", "target.lookahead_tokens=2", "draft.guesses=0"]
+    )
+    assert overrides == {
+        "orchestrator__pipeline": True,
+        "target__lookahead_tokens": 2,
+        "draft__guesses": 0,
+    }
+    _, cfg = write_config(tmp_path, "draft-dir", "target-dir", **overrides)
+    assert cfg["orchestrator"]["pipeline"] is True
+    assert cfg["target"]["lookahead_tokens"] == 2 and cfg["target"]["model"] == "target-dir"
+    assert cfg["draft"]["guesses"] == 0 and cfg["draft"]["model"] == "draft-dir"
+    with pytest.raises(SystemExit, match="want section.key=value"):
+        stack_overrides(["pipeline=true"])
