@@ -71,7 +71,6 @@ class ModelService:
         self.packed_min_rows = self._pack_linears()
         self.sessions = SessionStore(self.role, cfg.max_sessions)
         kernels.warm()  # compiled, or loaded from numba's disk cache, before any request
-        self._by_kind: dict = {}  # forward-kind -> its metric children, looked up once
         self._batch_sessions = metrics.BATCH_SESSIONS.labels(role)
         self._batch_tokens = metrics.BATCH_TOKENS.labels(role)
         self._queue_wait = metrics.QUEUE_WAIT.labels(role)
@@ -204,14 +203,8 @@ class ModelService:
 
     def _observe_batch(self, b: BatchStats) -> None:
         kind = b.kinds[0] if all(k == b.kinds[0] for k in b.kinds) else "mixed"
-        if kind not in self._by_kind:
-            self._by_kind[kind] = (
-                metrics.FORWARD_DURATION.labels(self.role, kind),
-                metrics.TOKENS_PROCESSED.labels(self.role, kind),
-            )
-        duration, tokens = self._by_kind[kind]
-        duration.observe(b.seconds)
-        tokens.inc(b.tokens)
+        metrics.labelled(metrics.FORWARD_DURATION, self.role, kind).observe(b.seconds)
+        metrics.labelled(metrics.TOKENS_PROCESSED, self.role, kind).inc(b.tokens)
         self._batch_sessions.observe(b.sessions)
         self._batch_tokens.observe(b.tokens)
         for wait in b.queue_waits:
@@ -238,8 +231,8 @@ class ModelService:
             )
         removed = session.kv.truncate(cache_len)
         if removed:
-            metrics.ROLLBACKS.labels(self.role).inc()
-            metrics.ROLLED_BACK_TOKENS.labels(self.role).inc(removed)
+            metrics.labelled(metrics.ROLLBACKS, self.role).inc()
+            metrics.labelled(metrics.ROLLED_BACK_TOKENS, self.role).inc(removed)
         return removed
 
     # ---- the shared operations ---------------------------------------------------------

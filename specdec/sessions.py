@@ -66,5 +66,6 @@ class SessionStore:
         self.update_gauges()
 
     def update_gauges(self) -> None:
-        metrics.LIVE_SESSIONS.labels(self.role).set(len(self._sessions))
-        metrics.CACHED_TOKENS.labels(self.role).set(sum(s.length for s in self._sessions.values()))
+        metrics.labelled(metrics.LIVE_SESSIONS, self.role).set(len(self._sessions))
+        cached = sum(s.length for s in self._sessions.values())
+        metrics.labelled(metrics.CACHED_TOKENS, self.role).set(cached)
