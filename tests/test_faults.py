@@ -94,15 +94,23 @@ def shared_stack(tmp_path_factory, llama_pair):
         yield stack
 
 
-@pytest.fixture
-def fault_stack(shared_stack):
-    """The shared stack, whole and answering; whatever a test kills is restarted after it."""
-    stack = shared_stack
+def whole(stack):
+    """A fixture's body: ``stack`` whole and answering; whatever a test kills is
+    restarted after it, and whatever it stops (SIGSTOP) continued."""
     wait_until(lambda: run_to_end(greedy(stack, n=2)).error is None, what="the stack to answer")
     yield stack
     for role in stack.ROLES:
-        if stack.proc(role).poll() is not None:
+        p = stack.proc(role)
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)  # (a no-op unless a test stopped it)
+        else:
             stack.restart(role)
+
+
+@pytest.fixture
+def fault_stack(shared_stack):
+    """The shared stack, whole and answering (``whole``)."""
+    yield from whole(shared_stack)
 
 
 def test_kill_draft_mid_generation_falls_back_exactly_and_resumes(fault_stack):

@@ -29,6 +29,7 @@ from .test_faults import (
     no_sessions,
     run_to_end,
     wait_until,
+    whole,
 )
 from .test_pipeline import PIPELINE, _blocks, _lookahead
 
@@ -53,16 +54,8 @@ def piped_stack(tmp_path_factory, llama_pair):
 
 @pytest.fixture
 def stack(piped_stack):
-    """The shared stack, whole and answering; whatever a test kills is restarted after it."""
-    s = piped_stack
-    wait_until(lambda: run_to_end(greedy(s, n=2)).error is None, what="the stack to answer")
-    yield s
-    for role in s.ROLES:
-        p = s.proc(role)
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)  # (a no-op unless a test stopped it)
-        else:
-            s.restart(role)
+    """The shared stack, whole and answering (``test_faults.whole``)."""
+    yield from whole(piped_stack)
 
 
 @pytest.fixture(scope="module")
