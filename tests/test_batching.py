@@ -348,3 +348,46 @@ def test_a_second_job_for_a_busy_session_fails_alone(llama_pair):
         return lengths
 
     assert asyncio.run(main()) == [3, 3]
+
+
+def test_a_cancelled_callers_job_stops_and_frees_its_session(llama_pair):
+    """A caller cancelled mid-job (a client that went away, a pipeline cancelled, a
+    timeout) takes its job out of the loop: no feed of it runs after the cancel, and
+    the session's next job runs. (Before, cancelling the caller also cancelled the
+    future it awaited, the loop read that as a finished job, and the job ran on: it
+    grew the cache behind its owner's back, and the session's next job failed as
+    "session busy", or in a forward with every other session's job.)"""
+    import asyncio
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+    fed: list[int] = []
+
+    def job(kv, n):
+        for i in range(n):
+            yield Feed(kv, [5], 1)
+            fed.append(i)
+        return kv.length
+
+    async def main():
+        loop = ForwardLoop(runner, 512, None)
+        loop.start()
+        kv = SessionKV()
+        long = asyncio.ensure_future(loop.run(job(kv, 10_000), "propose"))
+        while len(fed) < 3:
+            await asyncio.sleep(0.001)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        after_cancel = kv.length
+        await asyncio.sleep(0.05)  # room for any forward the dropped job would get
+        ran_on = kv.length - after_cancel
+        next_job = await loop.run(job(kv, 2), "head")
+        await loop.aclose()
+        return ran_on, after_cancel, next_job
+
+    ran_on, after_cancel, next_job = asyncio.run(main())
+    assert ran_on == 0, f"{ran_on} feeds of a cancelled job ran after the cancel"
+    assert next_job == after_cancel + 2

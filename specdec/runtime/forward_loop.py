@@ -126,7 +126,10 @@ class ForwardLoop:
 
         A session (a cache) has one job here at a time. A second one fails at once
         (``Internal``, naming both kinds), and alone: in a forward it would fail the
-        runner, and with it every other session's job in that forward."""
+        runner, and with it every other session's job in that forward.
+
+        A caller cancelled while its job waits or runs drops the job: none of its
+        feeds runs after that, and the session is free for its next job."""
         try:
             feed = next(job)
         except StopIteration as done:  # a job that needs no forward
@@ -142,7 +145,9 @@ class ForwardLoop:
         try:
             return await future
         finally:
-            if not future.done():  # cancelled by the caller: drop the job
+            # Cancelled by the caller: drop the job. (Cancelling the caller cancels the
+            # future it awaits too, so a job still queued is the only sign of it.)
+            if any(p.future is future for p in self._waiting):
                 self._waiting = [p for p in self._waiting if p.future is not future]
                 job.close()
 
