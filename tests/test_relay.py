@@ -302,3 +302,48 @@ def test_a_write_to_a_relay_stream_that_just_ended_breaks_the_link_not_the_calle
         await link.aclose()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("token_bytes", [16, 1 << 20])
+def test_a_sender_cancelled_mid_write_leaves_the_shared_relay_stream_alone(
+    llama_stack, token_bytes
+):
+    """Every session of a draft relays to a target on one stream, and grpc.aio cancels
+    a whole call when a task is cancelled inside its write. A sender cancelled while
+    its relay is being written (its propose's caller gone, its pipeline stopped) must
+    not take the stream, and every other session's relays and echoes, with it: its
+    write finishes on its own, and the link goes on. (Before, the link broke, and
+    every relay in flight on it was lost to its orchestrator's relay_timeout_s.)"""
+    from specdec.config import TlsConfig
+    from specdec.transport.channels import open_channel
+    from specdec.transport.relay import _Link
+
+    def refused_relay(size: int = 16) -> target_pb2.RelayedVerify:
+        return target_pb2.RelayedVerify(relay_token=b"\0" * size)  # no such session
+
+    async def go():
+        troubles: list[str] = []
+        channel = open_channel(llama_stack.address("target"), TlsConfig(), 64 << 20)
+        link = _Link(channel, troubles.append)
+        assert await link.send(refused_relay(), 5.0, None)  # the stream is up
+        cancelled = 0
+        for spins in range(1, 6):  # cancel at each of the write's first turns of the loop
+            sender = asyncio.ensure_future(link.send(refused_relay(token_bytes), 5.0, None))
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            cancelled += sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        await asyncio.sleep(0.3)  # the refusals come back
+        assert cancelled, "every write finished before its cancel"
+        assert not link.broken and not link.call.done()
+        assert await link.send(refused_relay(), 5.0, None)
+        deadline = time.monotonic() + 5
+        while len(troubles) < 7 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await link.aclose()
+        return troubles
+
+    troubles = asyncio.run(go())
+    # The first and the last relay were refused on the same stream, and so was every
+    # cancelled sender's, whose write went out all the same.
+    assert len(troubles) == 7 and all("no session" in t for t in troubles), troubles

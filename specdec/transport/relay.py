@@ -224,18 +224,30 @@ class _Link:
             self.echoes[request.tag] = on_verdict
             if len(self.echoes) > _ECHOES_KEPT:  # verdicts that never came (lost relays)
                 del self.echoes[next(iter(self.echoes))]
+        # The write is a task of its own: grpc.aio cancels the whole call when a write
+        # is cancelled, and this stream is every session's. A sender cancelled mid-write
+        # (its propose's caller gone, its pipeline stopped) leaves the write to finish;
+        # only a write stuck past ``timeout`` gives the stream up.
+        write = asyncio.ensure_future(self._write(request))
         try:
             async with asyncio.timeout(timeout):
-                async with self.write_lock:
-                    await self.call.write(request)
-        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            # (InvalidStateError: the stream ended, its target gone, before the reader
-            # marked the link broken)
+                await asyncio.shield(write)
+        except TimeoutError:
+            write.cancel()
             self.broken = True
         if self.broken:
             self.echoes.pop(request.tag, None)
             return False
         return True
+
+    async def _write(self, request: target_pb2.RelayedVerify) -> None:
+        try:
+            async with self.write_lock:
+                await self.call.write(request)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            # (InvalidStateError: the stream ended, its target gone, before the reader
+            # marked the link broken)
+            self.broken = True
 
     async def aclose(self) -> None:
         self.call.cancel()
