@@ -362,6 +362,9 @@ class Drafter(ModelService):
                     await asyncio.shield(head.task)
                     metrics.labelled(metrics.DRAFTED_ON, "used").inc()
                     return head
+                except asyncio.CancelledError:  # the propose's caller is gone: the
+                    head.task.cancel()  # session no longer holds it, so stop it here
+                    raise
                 except Exception:
                     pass
         head.task.cancel()
@@ -453,6 +456,9 @@ class Drafter(ModelService):
             return None
         try:
             proposal: Proposal = await asyncio.shield(guess.task)
+        except asyncio.CancelledError:  # the propose's caller is gone (see settle_head)
+            guess.task.cancel()
+            raise
         except Exception:  # (it failed: drafted anew)
             return None
         if not session.params.greedy and gamma > len(proposal.tokens):
