@@ -391,3 +391,34 @@ def test_a_cancelled_callers_job_stops_and_frees_its_session(llama_pair):
     ran_on, after_cancel, next_job = asyncio.run(main())
     assert ran_on == 0, f"{ran_on} feeds of a cancelled job ran after the cancel"
     assert next_job == after_cancel + 2
+
+
+def test_a_fault_outside_the_jobs_never_stops_the_forward_loop(llama_pair):
+    """A forward's bookkeeping can fail outside any job (its metrics; on a GPU, a device
+    fault that shows only at the synchronize). The jobs keep their results or get the
+    error, and the loop serves the next ones. (Before, the exception ended the loop's
+    task silently, and every later job waited for ever.)"""
+    import asyncio
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+
+    def job(kv, n):
+        for _ in range(n):
+            yield Feed(kv, [5], 1)
+        return kv.length
+
+    def broken_metrics(stats) -> None:
+        raise RuntimeError("a metric failed")
+
+    async def main():
+        loop = ForwardLoop(runner, 512, broken_metrics)
+        loop.start()
+        kv = SessionKV()
+        lengths = [await asyncio.wait_for(loop.run(job(kv, 2)), 30) for _ in range(2)]
+        await loop.aclose()
+        return lengths
+
+    assert asyncio.run(main()) == [2, 4]

@@ -37,6 +37,7 @@ Not for: what jobs compute (the draft and target services write them).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
@@ -54,6 +55,8 @@ Job = Generator[Feed, torch.Tensor, Any]
 LONG_FEED = 64
 # Kinds of job that nobody awaits yet: no forward waits on their account.
 BACKGROUND = frozenset({"guess"})
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -164,7 +167,12 @@ class ForwardLoop:
                 await self._gather()
             batch = self._select()
             if batch:
-                self._forward(batch)
+                try:
+                    self._forward(batch)
+                except Exception as e:  # a fault outside the jobs: theirs, not the loop's
+                    log.exception("forward loop: a forward failed")
+                    for p, _ in batch:
+                        self._finish(p, error=e)
 
     async def _gather(self) -> None:
         """Wait for the sessions that left the last forwards to come back, at most
@@ -184,6 +192,13 @@ class ForwardLoop:
 
     def _select(self) -> list[tuple[_Pending, Feed]]:
         """The feeds of the next forward: short ones oldest first, then long ones cut to fit."""
+        if any(p.future.cancelled() for p in self._waiting):
+            # Their callers were cancelled and have not resumed yet (``run`` drops them
+            # then): none of their feeds runs after the cancel.
+            for p in self._waiting:
+                if p.future.cancelled():
+                    p.job.close()
+            self._waiting = [p for p in self._waiting if not p.future.cancelled()]
         budget = self.max_batch_tokens
         short = [p for p in self._waiting if len(p.feed.tokens) <= LONG_FEED]
         long = [p for p in self._waiting if len(p.feed.tokens) > LONG_FEED]
@@ -218,12 +233,12 @@ class ForwardLoop:
         tracing.mark("forward")
         try:
             logits = self.runner.forward([feed for _, feed in batch])
+            if logits and logits[0].is_cuda:  # time the work, not the launch
+                torch.cuda.synchronize(logits[0].device)  # (where a device fault shows)
         except Exception as e:  # the whole forward failed: so does every job in it
             for p, _ in batch:
                 self._finish(p, error=e)
             return
-        if logits and logits[0].is_cuda:  # time the work, not the launch
-            torch.cuda.synchronize(logits[0].device)
         seconds = time.perf_counter() - start
         tracing.mark("forward_end")
         self.last_batch = stats = BatchStats(
@@ -248,7 +263,10 @@ class ForwardLoop:
             except Exception as e:
                 self._finish(p, error=e)
         if self.on_batch is not None:
-            self.on_batch(stats)
+            try:
+                self.on_batch(stats)
+            except Exception:  # (metrics): the jobs have their results
+                log.exception("forward loop: on_batch failed")
 
     def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
         self._waiting = [w for w in self._waiting if w is not p]
