@@ -446,8 +446,14 @@ class Generation:
         target = asyncio.ensure_future(self.target.open())
         try:
             await self.draft.prefill()
-        finally:
+        except asyncio.CancelledError:  # the request is gone: its target prefill too
+            target.cancel()
+            await asyncio.gather(target, return_exceptions=True)
+            raise
+        except BaseException:
             await target
+            raise
+        await target
 
     async def step(self) -> list[int]:
         """One speculation step; returns the tokens it emits.

@@ -196,3 +196,40 @@ def test_above_speculate_max_requests_adaptive_requests_decode_plain(llama_pair,
             assert got == want and stats.drafted > 0
 
     asyncio.run(scenario())
+
+
+def test_a_request_cancelled_during_its_prefills_cancels_both(llama_pair):
+    """The client goes away while its draft and target prefills run: both stop, and the
+    request's slot is free at once. (Before, the target's prefill ran on to its end or
+    its timeout, target_timeout_s, while the request kept its slot.)"""
+    draft, target = llama_pair
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            started, stopped = set(), set()
+
+            def blocking(role):
+                async def never(*args, **kwargs):
+                    started.add(role)
+                    try:
+                        await asyncio.Event().wait()
+                    except asyncio.CancelledError:
+                        stopped.add(role)
+                        raise
+
+                return never
+
+            system.drafter.open_draft = blocking("draft")
+            system.verifier.open = blocking("target")
+            request = asyncio.ensure_future(
+                system.generate(prompt="gone", max_new_tokens=8, temperature=0.0, gamma=4)
+            )
+            while started != {"draft", "target"}:
+                await asyncio.sleep(0.01)
+            request.cancel()
+            done, _ = await asyncio.wait([request], timeout=5)
+            return bool(done), stopped, system.orch.live
+
+    ended, stopped, live = asyncio.run(scenario())
+    assert ended, "the cancelled request was still waiting for its target prefill after 5 s"
+    assert stopped == {"draft", "target"} and live == 0
