@@ -548,3 +548,33 @@ def test_the_target_couples_only_guesses_q_can_draw(llama_pair):
             await p.aclose()
 
     asyncio.run(go())
+
+
+def test_a_propose_cancelled_while_it_waits_for_its_head_start_stops_it(llama_pair):
+    """The propose a head start answers takes it from the session and waits for it; if
+    that propose is cancelled (its caller gone), nobody holds the head start any more,
+    so it must stop there and then. (Before, it drafted on to its end, on the cache
+    of a session that might be closing.)"""
+    params = SamplingParams(temperature=0.0)
+    u = [0.5, 0.5, 0.5]
+
+    async def go():
+        p = Pair(llama_pair)
+        try:
+            ref, cursor, drafts, verdict = await _first_step(p, params, "ref")
+            nxt = settle(Cursor(0, ()), cursor, drafts, verdict, u).draft
+            s, cursor, drafts, verdict = await _first_step(p, params, "gone")
+            p.draft.draft_on(s, s.extra.proposes, cursor, drafts, verdict, u, 3, 21)
+            head = s.extra.head.task
+            propose = asyncio.ensure_future(p.draft.propose(s, nxt.cache_len, nxt.pending, 3, 21))
+            await asyncio.sleep(0)  # the propose now waits for the head start
+            assert s.extra.head is None and not head.done()
+            propose.cancel()
+            await asyncio.gather(propose, return_exceptions=True)
+            await asyncio.sleep(0.05)
+            return head.cancelled(), p.draft.loop.queued
+        finally:
+            await p.aclose()
+
+    cancelled, queued = asyncio.run(go())
+    assert cancelled and queued == 0
