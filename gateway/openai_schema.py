@@ -64,6 +64,38 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+INT32_MAX = 2**31 - 1  # the orchestrator's integer fields and token ids are int32
+
+
+def _not_text(v: str) -> bool:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _unpaired_surrogate(body: dict) -> str | None:
+    """The path of the first string in ``body`` that holds an unpaired UTF-16 surrogate
+    ("" for a key of the body itself; None if there is none): JSON's ``\\ud800``
+    escapes allow one, but it is not text, and no protobuf string can carry it.
+    (A loop, not recursion: the body may nest as deep as the JSON parser allows.)"""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if _not_text(v):
+                return path
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                if _not_text(key):  # a key: name the object it is in
+                    return path
+                todo.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
 def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400 (NaN and Infinity are not JSON)."""
     try:
@@ -75,6 +107,10 @@ def parse_json(raw: bytes) -> dict:
         raise invalid(None, "the request body nests too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
+    bad = _unpaired_surrogate(body)
+    if bad is not None:
+        message = "holds an unpaired UTF-16 surrogate (an escape like \\ud800): not text"
+        raise invalid(bad or None, message if bad else f"a key {message}")
     return body
 
 
@@ -83,16 +119,20 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
-def _int(body: Mapping, name: str, default: int | None, lo: int, hi: int | None = None) -> Any:
+def _int(body: Mapping, name: str, default: int | None, lo: int, hi: int = INT32_MAX) -> Any:
     v = body.get(name)
     if v is None:
         return default
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise invalid(name, f"must be {bound}, got {v!r}")
+    if not _is_int(v) or v < lo or v > hi:
+        raise invalid(name, f"must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 
 
@@ -216,12 +256,14 @@ def _prompt(body: Mapping) -> dict:
         if not p:
             raise invalid("prompt", "must not be empty")
         return {"text": p}
-    if isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+    if isinstance(p, list) and p and all(_is_int(t) and 0 <= t <= INT32_MAX for t in p):
         return {"token_ids": orchestrator_pb2.TokenIds(ids=p)}
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
         raise invalid("prompt", f"one prompt per request is supported, got {len(p)}")
     raise invalid(
-        "prompt", "must be a non-empty string or a non-empty list of token ids (integers >= 0)"
+        "prompt",
+        "must be a non-empty string or a non-empty list of token ids"
+        f" (integers in [0, {INT32_MAX}])",
     )
 
 

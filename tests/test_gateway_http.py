@@ -251,6 +251,16 @@ BAD_COMPLETIONS = [
     ({**C, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ({**C, "frequency_penalty": -1}, 400, "frequency_penalty"),
     ({**C, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    # Past what the orchestrator's int32 fields, a float or UTF-8 can hold (these were 500s).
+    ({**C, "max_tokens": 2**31}, 400, "max_tokens"),
+    ({**C, "top_k": 2**31}, 400, "top_k"),
+    ({**C, "gamma": 2**31}, 400, "gamma"),
+    ({**C, "prompt": [2**31]}, 400, "prompt"),
+    ({**C, "temperature": 10**400}, 400, "temperature"),
+    ({**C, "top_p": -(10**400)}, 400, "top_p"),
+    ({**C, "prompt": "a\ud800b"}, 400, "prompt"),
+    ({**C, "stop": ["ok", "\udc00"]}, 400, "stop[1]"),
+    ({**C, "\ud800": 1}, 400, None),
 ]
 BAD_CHATS = [
     ({"model": MODEL}, 400, "messages"),
@@ -275,6 +285,8 @@ BAD_CHATS = [
     ({**M, "logprobs": True}, 400, "logprobs"),
     ({**M, "top_logprobs": 3}, 400, "top_logprobs"),
     ({**M, "n": 3}, 400, "n"),
+    ({**M, "messages": [{"role": "user", "content": "x\ud800"}]}, 400, "messages[0].content"),
+    ({**M, "max_completion_tokens": 2**31}, 400, "max_completion_tokens"),
 ]
 
 
