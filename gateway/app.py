@@ -93,15 +93,18 @@ async def _generate(request: web.Request, shape_cls: type[Shape]) -> web.StreamR
         raise ApiError(503, "the gateway is shutting down; retry", code="unavailable")
     authorization = _authorization(request)
     body = parse_json(await request.read())
+    names = shape_cls.field_names
     try:
         model = await state.upstream.model_name(authorization)
         generation = shape_cls.parse(body, model, state.cfg)
+        names = generation.field_names or names
         stream = await state.upstream.open(generation.request, authorization)
     except grpc.aio.AioRpcError as e:
-        raise errors.from_rpc_error(e, shape_cls.field_names) from None
+        raise errors.from_rpc_error(e, names) from None
     except EmptyStream as e:
         raise ApiError(500, str(e), code="internal") from None
     shape = shape_cls(generation.model, generation.include_usage)
+    shape.field_names = names
     template = generation.chat_template
     headers = {CHAT_TEMPLATE_HEADER: template} if template else {}
     try:

@@ -219,6 +219,9 @@ class Generation:
     # Chat only: how the conversation became a prompt, "model" or "plain-text"
     # (gateway.chat_template), sent back in the x-specdec-chat-template header.
     chat_template: str | None = None
+    # The gRPC request's fields as this request's OpenAI fields, where they differ from
+    # the endpoint's (``Shape.field_names``): a chat's limit may be max_completion_tokens.
+    field_names: Mapping[str, str] | None = None
 
 
 def _sampling(body: Mapping, max_tokens: int | None, default_max_tokens: int) -> dict:
@@ -453,8 +456,11 @@ class ChatShape(_Shape):
         _refuse_unless(body, "audio", (), "text responses only")
         # max_completion_tokens replaces max_tokens in OpenAI's current API; both work.
         max_tokens = _int(body, "max_completion_tokens", None, 1)
+        names = None
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", None, 1)
+        else:
+            names = {**ChatShape.field_names, "max_new_tokens": "max_completion_tokens"}
         fields = _sampling(body, max_tokens, cfg.default_max_tokens)
         if cfg.chat_template == "plain-text":
             prompt = {"text": plain_text_chat(messages)}
@@ -462,7 +468,7 @@ class ChatShape(_Shape):
             turns = [orchestrator_pb2.ChatMessage(role=r, content=c) for r, c in messages]
             prompt = {"messages": orchestrator_pb2.ChatMessages(messages=turns)}
         request = orchestrator_pb2.GenerateRequest(**prompt, **fields)
-        return Generation(request, model, stream, include_usage, cfg.chat_template)
+        return Generation(request, model, stream, include_usage, cfg.chat_template, names)
 
     def _chunk(self, delta: dict, finish: str | None, **extra) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}

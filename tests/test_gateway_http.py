@@ -278,6 +278,7 @@ BAD_CHATS = [
     ({**M, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ({**M, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({**M, "max_tokens": 10**6}, 400, "max_tokens"),
+    ({**M, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),  # the orchestrator's
     ({**M, "messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
     ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({**M, "tool_choice": "auto"}, 400, "tool_choice"),
