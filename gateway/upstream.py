@@ -68,6 +68,12 @@ class Orchestrator:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # A connection whose peer went silent (node gone, no reset) is found by its
+            # unanswered ping (GatewayConfig.keepalive_s), for as long as a call waits.
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_s * 1000)),  # (grpc 1.6x on)
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         creds = channel_credentials(cfg.orchestrator_tls)
         address = cfg.orchestrator_address

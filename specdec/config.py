@@ -322,9 +322,13 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     # Largest request body accepted, in bytes.
     max_body_bytes: int = 1024 * 1024
-    # Seconds to wait at start-up for the orchestrator to answer Info.
-    connect_timeout_s: float = 120.0
     grace_period_s: float = 10.0
+    # While a call to the orchestrator is open, ping its connection this often (HTTP/2
+    # keepalive) and give the connection up when a ping is not answered in as long: an
+    # orchestrator whose node died or was cut off without a reset fails its calls (503,
+    # or an error event mid-stream) within twice this, not after request_timeout_s.
+    # At least 1 (the services take a ping a second at most).
+    keepalive_s: float = 20.0
 
 
 @dataclass
@@ -449,6 +453,9 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
 
 
 SECTIONS = ("draft", "target", "orchestrator", "gateway")
+# The shortest keepalive a client may use: the servers accept a ping a second at most
+# (``specdec.transport.server``).
+MIN_KEEPALIVE_S = 1.0
 
 
 def _validate(cfg: Config) -> None:
@@ -478,6 +485,11 @@ def _validate(cfg: Config) -> None:
     if cfg.target.lookahead_tokens > MAX_GAMMA:
         got = cfg.target.lookahead_tokens
         raise ConfigError(f"target.lookahead_tokens: must be <= {MAX_GAMMA}, got {got}")
+    if cfg.gateway.keepalive_s < MIN_KEEPALIVE_S:
+        raise ConfigError(
+            f"gateway.keepalive_s: must be >= {MIN_KEEPALIVE_S:g} (the services take a ping"
+            f" a second at most), got {cfg.gateway.keepalive_s}"
+        )
     if cfg.gateway.chat_template not in CHAT_TEMPLATES:
         raise ConfigError(
             f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -20,6 +22,7 @@ import openai
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specdec.local.proxy import FaultProxy
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from .gateway_stack import MODEL, gateway
@@ -48,7 +51,8 @@ STATS = orchestrator_pb2.GenerationStats(
 
 class ScriptedOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
     """Generate does what ``text`` says: ``abort CODE message``, ``midstream CODE``,
-    ``nostats``, ``empty``; anything else: two chunks and the statistics."""
+    ``nostats``, ``empty``, ``hang`` (one chunk, then nothing for up to 20 s);
+    anything else: two chunks and the statistics."""
 
     def Generate(self, request, context):
         words = request.text.split(" ", 2)
@@ -57,6 +61,11 @@ class ScriptedOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
         if words[0] == "empty":
             return
         yield orchestrator_pb2.GenerateResponse(chunk=orchestrator_pb2.Chunk(text="ab"))
+        if words[0] == "hang":
+            until = time.monotonic() + 20
+            while context.is_active() and time.monotonic() < until:
+                time.sleep(0.05)
+            return
         if words[0] == "midstream":
             context.abort(grpc.StatusCode[words[1]], "target: gone mid-request")
         if words[0] == "nostats":
@@ -68,18 +77,27 @@ class ScriptedOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
         return orchestrator_pb2.OrchestratorInfo(target_model_id="scripted", vocab_size=10)
 
 
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+def scripted_server() -> tuple[grpc.Server, health.HealthServicer, int]:
+    # It takes pings as the services do (``specdec.transport.server``).
+    options = [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(ScriptedOrchestrator(), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     server.start()
-    config = {"draft": {"model": "unused"}, "target": {"model": "unused"}}
+    return server, health_servicer, port
+
+
+CONFIG = {"draft": {"model": "unused"}, "target": {"model": "unused"}}
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    server, health_servicer, port = scripted_server()
     try:
-        with gateway(tmp_path_factory.mktemp("gateway-errors"), config, f"127.0.0.1:{port}") as g:
+        with gateway(tmp_path_factory.mktemp("gateway-errors"), CONFIG, f"127.0.0.1:{port}") as g:
             yield g, health_servicer
     finally:
         server.stop(0)
@@ -198,3 +216,35 @@ def test_an_unreachable_orchestrator_is_a_503_and_not_ready(tmp_path):
         with pytest.raises(openai.InternalServerError) as err:
             client(gw).completions.create(model=MODEL, prompt="hello")
         assert err.value.status_code == 503 and err.value.body["code"] == "unavailable"
+
+
+def test_an_orchestrator_gone_silent_mid_stream_is_an_error_in_seconds(tmp_path):
+    """The orchestrator's node dies or is cut off without a reset, mid-stream: nothing
+    tells the gateway's connection, whose call only reads. Its keepalive ping goes
+    unanswered, and the stream ends with an error event within about twice
+    ``gateway.keepalive_s``; then the gateway serves again once the path is back.
+    (Before, the stream hung until request_timeout_s, 600 s by default.)"""
+    server, _, port = scripted_server()
+    try:
+        with (
+            FaultProxy("127.0.0.1", port) as proxy,
+            gateway(tmp_path, CONFIG, proxy.address, keepalive_s=1) as gw,
+        ):
+            cut = threading.Timer(1.0, proxy.stall)  # after the first chunk went through
+            began = time.monotonic()
+            cut.start()
+            try:
+                status, raw = post(gw, {"model": MODEL, "prompt": "hang", "stream": True})
+            finally:
+                cut.cancel()
+            took = time.monotonic() - began
+            assert status == 200 and took < 8, (status, took, raw)
+            frames = raw.split(b"\n\n")
+            assert frames[-2:] == [b"data: [DONE]", b""], raw
+            error = json.loads(frames[-3][6:])["error"]
+            assert error["type"] == "server_error" and error["code"] == "unavailable", error
+            proxy.pass_through()
+            status, raw = post(gw, {"model": MODEL, "prompt": "ok"})
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == "abcd"
+    finally:
+        server.stop(0)

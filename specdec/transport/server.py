@@ -25,7 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specdec import metrics
-from specdec.config import TlsConfig
+from specdec.config import MIN_KEEPALIVE_S, TlsConfig
 from specdec.errors import InvalidArgument, SpecdecError
 
 from .status import code_of
@@ -258,6 +258,10 @@ async def start_server(
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Clients may keep a call's connection alive with pings (the gateway's
+            # keepalive_s, at least 1 s apart) even while no data flows, as in a long
+            # prefill; gRPC's default takes one in 5 minutes and then sends GOAWAY.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000)),
         ],
     )
     register(server)
