@@ -361,6 +361,12 @@ async def _produce(items: AsyncIterator, queue: asyncio.Queue) -> None:
     try:
         async for item in items:
             queue.put_nowait(item)
+    except asyncio.CancelledError:
+        # Cancelled by the consumer (which is gone: harmless), or a CancelledError from
+        # inside (grpc.aio raises one from a call cancelled under its reader): the
+        # consumer must not wait on the queue for ever.
+        queue.put_nowait(Internal("the request's generation was cancelled from inside"))
+        raise
     except Exception as e:
         queue.put_nowait(e)
     else:

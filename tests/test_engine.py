@@ -233,3 +233,28 @@ def test_a_request_cancelled_during_its_prefills_cancels_both(llama_pair):
     ended, stopped, live = asyncio.run(scenario())
     assert ended, "the cancelled request was still waiting for its target prefill after 5 s"
     assert stopped == {"draft", "target"} and live == 0
+
+
+def test_a_cancelled_error_from_inside_a_step_is_an_error_not_a_hang(llama_pair):
+    """A CancelledError can come up from below a step without anyone cancelling the
+    request (grpc.aio raises one from a call that was cancelled under its reader). The
+    request ends at once with an error, and its slot is free. (Before, the generation
+    ended without a word to the request's stream, which waited for its deadline.)"""
+    from specdec.errors import Internal
+
+    draft, target = llama_pair
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+
+            async def cancelled_under_us(*args, **kwargs):
+                raise asyncio.CancelledError()
+
+            system.verifier.verify = cancelled_under_us
+            with pytest.raises(Internal, match="cancelled from inside"):
+                await asyncio.wait_for(
+                    system.generate(prompt="x", max_new_tokens=8, temperature=0.0), 10
+                )
+            return system.orch.live
+
+    assert asyncio.run(scenario()) == 0
