@@ -35,6 +35,18 @@ from specdec.sampling import (
 from specdec.sessions import Session
 
 
+def _own(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as a session keeps them past its pass. A session's rows out of a pass it
+    shared are a view of the pass's logits ([every session's tokens, vocab]), which
+    they would keep alive whole until the session's next pass: some hundreds of MB a
+    session at a 152k vocabulary under load. Then the last row (all that is read
+    later) is copied; a pass of its own is kept as it is (no torch call right after
+    the forward, see ``LastLogits``)."""
+    if rows.untyped_storage().nbytes() > rows.nbytes:
+        return rows[-1:].clone()
+    return rows
+
+
 @dataclass
 class LastLogits:
     """The logits a session's last pass computed after its last token: p for the
@@ -217,7 +229,7 @@ class Verifier(ModelService):
         logits, _ = await self.run(self._feed(session, a.fed[-1:]), "decode")  # [1, vocab]
         metrics.labelled(metrics.LOOKAHEAD_TOKENS, "decoded").inc()
         if session.extra.ahead is a:
-            a.rows.append(logits)
+            a.rows.append(_own(logits))
             a.fed.append(int(greedy_tokens(logits)[0]))
         self.sessions.update_gauges()
         return True
@@ -279,7 +291,7 @@ class Verifier(ModelService):
                 rows.append((yield Feed(session.kv, drafts, gamma)))  # [gamma, vocab]
                 forward = self.loop.last_batch
             logits = torch.cat(rows)  # [gamma + 1, vocab]
-        last.rows, last.length = logits, session.length
+        last.rows, last.length = _own(logits), session.length
         pit = pit and not session.params.greedy
         n = max(gamma + 1, run)
         # Greedy draws nothing (p is one-hot): no uniforms. A guess's uniform follows
@@ -308,7 +320,7 @@ class Verifier(ModelService):
                 break
             logits = yield Feed(session.kv, [token], 1)  # [1, vocab]
             passes.append(self.loop.last_batch)
-            last.rows, last.length = logits, session.length
+            last.rows, last.length = _own(logits), session.length
             draw = verify_draft(
                 logits, [], [], session.params, None if u is None else u[i : i + 1], pit=pit
             )

@@ -422,3 +422,49 @@ def test_a_fault_outside_the_jobs_never_stops_the_forward_loop(llama_pair):
         return lengths
 
     assert asyncio.run(main()) == [2, 4]
+
+
+def test_a_session_keeps_no_other_sessions_logits_after_a_shared_pass(llama_pair):
+    """Sessions that verify in one pass get their rows as views of that pass's logits.
+    What a session keeps for its next step (the p after its last token) must not hold
+    the whole pass alive, every other session's rows included, until its next pass:
+    at a 152k vocabulary that is hundreds of MB a session under load. A session that
+    had a pass of its own keeps its rows as they are."""
+    import asyncio
+
+    from specdec.config import ModelServiceConfig
+    from specdec.runtime.loading import load_tokenizer
+    from specdec.sampling import SamplingParams, SparseQ
+    from target_service.verifier import Verifier
+
+    target = llama_pair[1]
+
+    def point(token: int) -> SparseQ:
+        return SparseQ.point(token, verifier.info.vocab_size)
+
+    verifier = Verifier(
+        ModelServiceConfig(max_batch_tokens=512),
+        load_model(str(target)),
+        load_tokenizer(str(target)),
+    )
+
+    async def main():
+        verifier.start()
+        try:
+            params = SamplingParams(temperature=0.0)
+            sessions = [await verifier.open(f"s{i}", [3, 9, 27, 4], params) for i in range(3)]
+            # Three verifies queued together share one pass.
+            await asyncio.gather(
+                *(verifier.verify(s, 4, [8], [5, 6], [point(5), point(6)], 1) for s in sessions)
+            )
+            shared = [s.extra.rows for s in sessions]
+            alone = sessions[0]
+            await verifier.verify(alone, alone.length, [], [7], [point(7)], 2)
+            return shared, alone.extra.rows, verifier.loop.last_batch.sessions
+        finally:
+            await verifier.aclose()
+
+    shared, own, last_sessions = asyncio.run(main())
+    for rows in shared:
+        assert rows.untyped_storage().nbytes() == rows.nbytes, "a shared pass kept alive"
+    assert last_sessions == 1 and own.shape[0] == 2  # a pass of its own: kept whole
