@@ -24,6 +24,7 @@ from specdec.runtime import packed_linear
 from specdec.runtime.forward_loop import BatchStats, ForwardLoop, Job
 from specdec.runtime.loading import (
     ModelInfo,
+    check_device,
     eos_token_ids,
     load_model,
     load_output_layer,
@@ -56,6 +57,7 @@ class ModelService:
         set_threads(cfg.torch_threads)
         self.model = model
         if model is None:
+            check_device(f"{role}.device", cfg.device)
             self.model = load_model(
                 cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code, quiet=True
             )

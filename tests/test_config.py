@@ -71,3 +71,22 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("draft: [unclosed")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(bad)
+
+
+def test_a_device_this_machine_lacks_is_a_config_error_naming_the_key(tmp_path):
+    """The config checks a device's kind (cpu or cuda); a service checks, before it
+    loads anything, that the machine has it, and names the key if not. (Before, a
+    missing GPU or index failed deep in loading with torch's own message.)"""
+    import torch
+
+    from specdec.config import ConfigError, ModelServiceConfig
+    from specdec.model_service import ModelService
+    from specdec.runtime.loading import check_device
+
+    check_device("draft.device", "cpu")
+    missing = torch.cuda.device_count()  # an index this machine does not have
+    for device in ("cuda:x", f"cuda:{missing}") + (() if torch.cuda.is_available() else ("cuda",)):
+        with pytest.raises(ConfigError, match=r"^target\.device: "):
+            check_device("target.device", device)
+    with pytest.raises(ConfigError, match=r"^draft\.device: "):
+        ModelService("draft", ModelServiceConfig(model=str(tmp_path), device=f"cuda:{missing}"))

@@ -16,6 +16,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from specdec.config import ConfigError
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -46,6 +48,23 @@ class ModelInfo:
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def check_device(key: str, device: str) -> None:
+    """A ConfigError naming ``key`` unless ``device`` is one this machine has (the
+    config checks only its kind: cpu or cuda). Before, a missing GPU or a wrong index
+    failed deep in loading, with torch's own message."""
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"{key}: {device!r} is not a device ({e})") from None
+    if d.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}: {device!r}, but this machine has no usable CUDA device")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(f"{key}: {device!r}, but this machine has {count} CUDA device(s)")
 
 
 def load_model(
@@ -159,7 +178,10 @@ def model_fingerprint(path: str, model, dtype: str) -> str:
     if not files:
         for name, p in sorted(model.state_dict().items()):
             h.update(name.encode())
-            h.update(p.detach().float().cpu().numpy().tobytes()[:_CHUNK_BYTES])
+            # (the first chunk's elements only: not the whole tensor through float32
+            # and to the host; the same bytes)
+            head = p.detach().reshape(-1)[: _CHUNK_BYTES // 4]
+            h.update(head.float().cpu().numpy().tobytes())
         return h.hexdigest()
     for f in files:
         size = f.stat().st_size
