@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 MAX_OWN_BACKOFF = 64  # steps a request goes without a draft after its draft kept failing
 
 
+# A call whose timeout the request's deadline cut short may end this much before it.
+_DEADLINE_SLACK_S = 0.01
+
+
 @dataclass
 class Budget:
     """The deadlines of one request's calls."""
@@ -63,8 +67,10 @@ class Budget:
             raise DeadlineExceeded("deadline: the request's deadline passed while generating")
         return min(configured, left)
 
-    def passed(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+    def passed(self, within: float = 0.0) -> bool:
+        """Whether the request's deadline passed (or is less than ``within`` s off: a
+        call whose timeout the deadline cut short may end a hair before it)."""
+        return self.deadline is not None and time.monotonic() >= self.deadline - within
 
 
 class _Link:
@@ -158,6 +164,10 @@ class DraftLink(_Link):
         try:
             await self._open()
         except SpecdecError as e:
+            if self.budget.passed(_DEADLINE_SLACK_S):  # the request's deadline, not an outage
+                self.drop_session()
+                self.unpin()
+                return
             self._failed(e)
 
     async def propose(
@@ -268,6 +278,10 @@ class DraftLink(_Link):
                 self.cursor.cache_len, self.budget.left(self.budget.draft_timeout_s)
             )
         except SpecdecError as e:
+            if self.budget.passed(_DEADLINE_SLACK_S):  # the request's deadline, not an outage
+                raise DeadlineExceeded(
+                    "deadline: the request's deadline passed while generating"
+                ) from None
             self._failed(e)
 
 

@@ -258,3 +258,36 @@ def test_a_cancelled_error_from_inside_a_step_is_an_error_not_a_hang(llama_pair)
             return system.orch.live
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_requests_own_deadline_during_the_draft_prefill_is_no_draft_outage(llama_pair):
+    """A client deadline shorter than the draft's prefill cuts that call short: the
+    request ends with DEADLINE_EXCEEDED, but the draft did not fail, so its breaker
+    (shared by every request) stays closed. (Before, it opened, and speculation
+    stopped for everyone for the back-off.)"""
+    import time
+
+    from orchestrator.requests import parse
+    from specdec.errors import DeadlineExceeded
+    from specdec.v1 import orchestrator_pb2
+
+    draft, target = llama_pair
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            open_draft = system.drafter.open_draft
+
+            async def slow_prefill(*args, **kwargs):
+                await asyncio.sleep(1.0)
+                return await open_draft(*args, **kwargs)
+
+            system.drafter.open_draft = slow_prefill
+            o = system.orch
+            req = orchestrator_pb2.GenerateRequest(text="x", max_new_tokens=8, gamma=4)
+            spec = parse(req, o.cfg.orchestrator, o.tokenizer, o.target_info, o.draft_info, 1 << 20)
+            with pytest.raises(DeadlineExceeded):
+                async for _ in o.generate(spec, time.monotonic(), time.monotonic() + 0.3):
+                    pass
+            return [r.breaker.failures for r in o.draft_pool.replicas.values()]
+
+    assert asyncio.run(scenario()) == [0]
