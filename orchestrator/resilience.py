@@ -319,7 +319,11 @@ class TargetLink(_Link):
             self.pin(replica)
             try:
                 await self._open()
-            except Unavailable:
+            except (Unavailable, DeadlineExceeded):
+                if self.budget.passed(_DEADLINE_SLACK_S):
+                    raise
+                # Down, or hung past target_timeout_s (stopped, cut off without a
+                # reset): an outage either way.
                 replica.breaker.failure()
                 self.drop_session()
                 continue
@@ -356,6 +360,7 @@ class TargetLink(_Link):
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
         dropped = False
+        hung: set[str] = set()  # replicas that let a call of this one time out
         while True:
             relayed = bool(follow) or (proposal is not None and proposal.relayed)
             try:
@@ -373,9 +378,18 @@ class TargetLink(_Link):
             except SessionLost as e:
                 log.warning("target lost session %s (%s): re-prefilling", self.session_id, e)
                 self.drop_session()
-            except DeadlineExceeded:
-                if not relayed or self.budget.passed():
+            except DeadlineExceeded as e:
+                if self.budget.passed(_DEADLINE_SLACK_S):
                     raise
+                if not relayed:
+                    # No answer within target_timeout_s though the request has time
+                    # left: the replica hangs (stopped, cut off without a reset). An
+                    # outage: its breaker opens, and the request moves to another
+                    # replica of the same model, once each.
+                    hung.add(self.replica.address)
+                    if not self._fail_over() or self.replica.address in hung:
+                        raise Unavailable(f"{e}; no other replica to move to") from None
+                    continue
                 # The relay was lost on its way (the draft reached another replica, or
                 # the message died with a connection): this request relays no more.
                 log.warning(
@@ -390,23 +404,9 @@ class TargetLink(_Link):
             except Unavailable:
                 if self.budget.passed() or time.monotonic() > retry_until:
                     raise
-                # Another replica of the same model if there is one (re-prefilled
-                # from the history; one behind an open breaker too, as a trial);
-                # otherwise wait for this one to come back.
-                self.replica.breaker.failure()
-                self.drop_session()
-                other = self.pool.pick(exclude=self.replica, model=self.model)
-                if other is None:
-                    other = self.pool.pick_trial({self.replica.address}, self.model)
-                if other is not None:
-                    log.warning(
-                        "target %s unavailable: request %s moves to %s",
-                        self.replica.address,
-                        self.session_id,
-                        other.address,
-                    )
-                    metrics.TARGET_FAILOVERS.inc()
-                    self.pin(other)
+                # Another replica of the same model if there is one; otherwise wait
+                # for this one to come back.
+                self._fail_over()
             except (InvalidArgument, Internal):
                 raise  # this request's own failure: no retry, no breaker
             if relayed:  # its q went only to that target: this step decodes plain
@@ -414,6 +414,28 @@ class TargetLink(_Link):
                 metrics.labelled(metrics.RELAYED_STEPS, "lost").inc()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    def _fail_over(self) -> bool:
+        """The pinned replica failed: count it against its breaker, drop the session,
+        and pin another replica of the same model if there is one (re-prefilled from
+        the history on the next call; one behind an open breaker too, as a trial).
+        Returns whether it moved."""
+        self.replica.breaker.failure()
+        self.drop_session()
+        other = self.pool.pick(exclude=self.replica, model=self.model)
+        if other is None:
+            other = self.pool.pick_trial({self.replica.address}, self.model)
+        if other is None:
+            return False
+        log.warning(
+            "target %s failed: request %s moves to %s",
+            self.replica.address,
+            self.session_id,
+            other.address,
+        )
+        metrics.TARGET_FAILOVERS.inc()
+        self.pin(other)
+        return True
 
     async def rollback(self) -> None:
         if self.session is not None:

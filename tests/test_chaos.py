@@ -11,13 +11,14 @@ steps only, and every session is freed at the end.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from benchmarks.chaos import print_report, run_chaos
 from orchestrator.replicas import ReplicaPool
 from orchestrator.resilience import Budget, TargetLink
-from specdec.errors import Unavailable
+from specdec.errors import DeadlineExceeded, Unavailable
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams, Verdict
 
@@ -68,14 +69,21 @@ class FakeTarget:
     def __init__(self, address: str) -> None:
         self.address = address
         self.up = True
+        self.hung = False  # answers nothing: every call times out (DeadlineExceeded)
 
     async def info(self, timeout):
         return ModelInfo("m", 47, "tok", "float32", "cpu", "X", (), 64, "fp", "0", 2)
 
     async def open(self, session_id, tokens, params, timeout, counter=None):
+        await self.answer(timeout)
+        return FakeSession(self)
+
+    async def answer(self, timeout) -> None:
         if not self.up:
             raise Unavailable(f"target: {self.address} is down")
-        return FakeSession(self)
+        if self.hung:
+            await asyncio.sleep(timeout)
+            raise DeadlineExceeded(f"target: no answer within {timeout:.3g} s")
 
     async def aclose(self) -> None:
         pass
@@ -86,8 +94,7 @@ class FakeSession:
         self.port = port
 
     async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1, follow=()):
-        if not self.port.up:
-            raise Unavailable(f"target: {self.port.address} is down")
+        await self.port.answer(timeout)
         return Verdict([], [], [], 1, cache_len=cursor.end)
 
     async def close(self) -> None:
@@ -146,5 +153,33 @@ def test_the_fakes_move_a_request_when_no_breaker_is_open():
         pool.replicas["a:1"].port.up = False
         await link.verify(None, seed=1, dense_p=False)
         assert link.replica.address == "b:2"
+
+    asyncio.run(scenario())
+
+
+def test_a_request_on_a_hung_target_moves_to_another_and_opens_its_breaker():
+    """A replica that answers nothing (stopped, cut off without a reset) costs a request
+    one target_timeout_s, not its end: the request moves to the other replica, and the
+    hung one's breaker opens so that new requests go elsewhere. With no other replica
+    left, the request ends with UNAVAILABLE, not a DEADLINE_EXCEEDED it never set.
+    (Before, every request on it got DEADLINE_EXCEEDED after target_timeout_s, and new
+    ones kept being placed on it.)"""
+
+    async def scenario():
+        pool = await _pool_after_an_outage_of("b:2", in_flight=0)
+        link = _link(pool)
+        await link.open()
+        assert link.replica.address == "a:1"
+        pool.replicas["a:1"].port.hung = True
+        began = time.monotonic()
+        await link.verify(None, seed=1, dense_p=False)
+        assert link.replica.address == "b:2" and time.monotonic() - began < 3
+        assert not pool.replicas["a:1"].breaker.allow()  # new requests go to b
+        fresh = _link(pool)
+        await fresh.open()
+        assert fresh.replica.address == "b:2"
+        pool.replicas["b:2"].port.hung = True  # and now b hangs too
+        with pytest.raises(Unavailable, match="no other replica"):
+            await link.verify(None, seed=2, dense_p=False)
 
     asyncio.run(scenario())
