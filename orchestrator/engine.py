@@ -603,7 +603,9 @@ class Generation:
         t3 = time.perf_counter()
         if self.o.explicit_rollback:
             await self.target.rollback()
-            if self.draft is not None:
+            # (After a chained step the draft's cache rightly holds the block drafted
+            # ahead beyond its cursor: that block is the next step's.)
+            if self.draft is not None and not outcome.chained:
                 await self.draft.rollback()
         t4 = time.perf_counter()
         self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1, relayed)

@@ -438,10 +438,18 @@ class TargetLink(_Link):
         return True
 
     async def rollback(self) -> None:
-        if self.session is not None:
+        if self.session is None:
+            return
+        try:
             await self.session.rollback(
                 self.cursor.cache_len, self.budget.left(self.budget.target_timeout_s)
             )
+        except (SessionLost, Unavailable, DeadlineExceeded):
+            if self.budget.passed(_DEADLINE_SLACK_S):
+                raise
+            # The next verify opens the session again, prefilled from the history (so
+            # nothing is left to trim) and riding out the restart as any call does.
+            self.drop_session()
 
 
 def _reason(e: SpecdecError) -> str:

@@ -291,3 +291,30 @@ def test_a_requests_own_deadline_during_the_draft_prefill_is_no_draft_outage(lla
             return [r.breaker.failures for r in o.draft_pool.replicas.values()]
 
     assert asyncio.run(scenario()) == [0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_explicit_rollback_keeps_a_chained_steps_block(llama_pair, temperature):
+    """With ``explicit_rollback`` the orchestrator trims both caches after each step.
+    After a chained step (overlap: the block drafted ahead is used), the draft's cache
+    rightly holds that block beyond the cursor, and trimming it there threw the block
+    away: the next propose failed, counted as a draft outage, and the breaker shared
+    by every request opened. With the target as its own draft every step chains."""
+    _, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("rolled back")
+    want = _reference(target, ids, 24)
+
+    async def scenario():
+        async with in_process(target, target, explicit_rollback=True) as system:
+            got, _, stats = await system.generate(
+                prompt=ids, max_new_tokens=24, temperature=temperature, gamma=3, overlap=True,
+                seed=7,
+            )  # fmt: skip
+            failures = [r.breaker.failures for r in system.orch.draft_pool.replicas.values()]
+            return got, stats, failures
+
+    got, stats, failures = asyncio.run(scenario())
+    if not temperature:
+        assert got == want
+    assert stats.overlapped_steps > 0
+    assert stats.fallback_steps == 0 and failures == [0], (stats, failures)
