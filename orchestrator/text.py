@@ -1,11 +1,13 @@
 """Turning generated token ids into streamed text, honouring stop strings.
 
-Text and token ids move in lockstep: every chunk's text is exactly the text of
-its token ids, so a client that counts tokens and a client that reads text see
-the same output. Tokens are held back (with their text) while their text is
-an incomplete UTF-8 character or could still become the start of a stop
-string; when a stop string appears, the output ends with the last token that
-lies wholly before it, and nothing of the stop string is streamed or counted.
+Text and token ids move in lockstep: every chunk's text is exactly what its
+token ids add to the text before them (a word's leading space included, which
+some tokenizers drop when they decode a token alone), so a client that counts
+tokens and a client that reads text see the same output. Tokens are held back
+(with their text) while their text is an incomplete UTF-8 character or could
+still become the start of a stop string; when a stop string appears, the
+output ends with the last token that lies wholly before it, and nothing of the
+stop string is streamed or counted.
 
 Detokenization is incremental, O(1) per token: the tokenizers library's own
 ``DecodeStream`` (Rust) for fast tokenizers, primed with the end of the prompt
@@ -20,6 +22,11 @@ from dataclasses import dataclass
 
 # Prompt tokens the decoder is primed with (enough context for spacing rules).
 _PRIME = 4
+# Tokens without text yet (an incomplete character: at most 4 byte tokens; skipped
+# special tokens) past which their text is taken as it decodes now: a run that
+# never completes (mojibake, a stream of skipped tokens) must not be re-decoded from
+# its start at every token (O(k^2) on the event loop) nor held back for ever.
+_MAX_PENDING = 8
 
 
 @dataclass
@@ -42,7 +49,7 @@ class _WindowDecoder:
         start = max(0, self.done - _PRIME)
         before = self.tokenizer.decode(self.ids[start : self.done], skip_special_tokens=True)
         after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
-        if after.endswith("\ufffd"):
+        if after.endswith("\ufffd") and len(self.ids) - self.done <= _MAX_PENDING:
             return None
         self.done = len(self.ids)
         return after[len(before) :]
@@ -52,18 +59,62 @@ def _decoder(tokenizer, prompt: Sequence[int]):
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None:
         return _WindowDecoder(tokenizer, prompt)
-    from tokenizers.decoders import DecodeStream
+    return _RustDecoder(backend, prompt)
 
-    stream = DecodeStream(ids=list(prompt[-_PRIME:]), skip_special_tokens=True)
-    return _RustDecoder(stream, backend)
+
+def _complete(decode, ids: list[int]) -> list[int]:
+    """``ids`` less the tokens at its end whose text is an incomplete character."""
+    while ids and decode(ids).endswith("\ufffd"):
+        ids = ids[:-1]
+    return ids
 
 
 class _RustDecoder:
-    def __init__(self, stream, backend) -> None:
-        self.stream, self.backend = stream, backend
+    """The tokenizers library's ``DecodeStream``, kept on its feet:
+
+    * primed with prompt tokens whose text is whole: a prime that ends inside a
+      character (a prompt cut mid-emoji, or ending in U+FFFD) made the stream send
+      the prime's text again as the first output;
+    * started afresh, after the tokens not yet sent, where it refuses a token (a run
+      of byte-fallback tokens whose text turns invalid after part of it was sent:
+      "Invalid prefix encountered") or holds more than ``_MAX_PENDING``: those
+      tokens' text is then what they decode to after the last few tokens sent."""
+
+    def __init__(self, backend, prompt: Sequence[int]) -> None:
+        self.backend = backend
+        self.recent = list(prompt[-_PRIME:])  # the last tokens whose text was sent
+        self.pending: list[int] = []
+        self.stream = self._primed(self.recent)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def _primed(self, ids: list[int]):
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=_complete(self._decode, ids), skip_special_tokens=True)
 
     def step(self, token: int) -> str | None:
-        return self.stream.step(self.backend, token)
+        self.pending.append(token)
+        try:
+            piece = self.stream.step(self.backend, token)
+        except Exception:  # (the tokenizers library raises a plain Exception here)
+            piece = self._afresh()
+        else:
+            if piece is None and len(self.pending) > _MAX_PENDING:
+                piece = self._afresh()
+        if piece is not None:
+            self.recent = (self.recent + self.pending)[-_PRIME:]
+            self.pending = []
+        return piece
+
+    def _afresh(self) -> str:
+        """The pending tokens' text, and a stream primed after them."""
+        context = _complete(self._decode, self.recent)
+        before, after = self._decode(context), self._decode(context + self.pending)
+        text = after[len(before) :] if after.startswith(before) else self._decode(self.pending)
+        self.stream = self._primed((self.recent + self.pending)[-_PRIME:])
+        return text
 
 
 class TextStream:
