@@ -207,7 +207,6 @@ class Drafter(ModelService):
         finally:
             if not drafted.done():
                 drafted.set_result(None)
-        self.sessions.update_gauges()
         proposal.compute_s = time.perf_counter() - start
         return self._answer(session, ask, proposal, seed, guess, guess_next, chained)
 
@@ -482,7 +481,6 @@ class Drafter(ModelService):
         proposal.cache_len = session.length
         proposal.compute_s = time.perf_counter() - guess.started
         proposal.lead_s = max(0.0, asked_at - guess.started)
-        self.sessions.update_gauges()
         return proposal
 
     def _cut(self, session: Session, proposal: Proposal, gamma: int, fed: int) -> None:

@@ -259,7 +259,6 @@ class ModelService:
         except BaseException:
             self.sessions.remove(session)
             raise
-        self.sessions.update_gauges()
         return session
 
     def _prefill(self, session: Session, tokens: list[int]) -> Job:
@@ -269,9 +268,7 @@ class ModelService:
         return await self.loop.run(job, kind)
 
     def rollback(self, session: Session, cache_len: int) -> int:
-        removed = self.roll_back_to(session, cache_len)
-        self.sessions.update_gauges()
-        return removed
+        return self.roll_back_to(session, cache_len)
 
     def close(self, session: Session) -> bool:
         self.loop.forget(session.kv)

@@ -37,6 +37,9 @@ class SessionStore:
         self.role = role
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
+        # Summed when /metrics is read, not per step: a sum over every live session on
+        # each step made a round of steps cost O(sessions^2) on the event loop.
+        metrics.labelled(metrics.CACHED_TOKENS, role).set_function(self.cached_tokens)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -67,5 +70,8 @@ class SessionStore:
 
     def update_gauges(self) -> None:
         metrics.labelled(metrics.LIVE_SESSIONS, self.role).set(len(self._sessions))
-        cached = sum(s.length for s in self._sessions.values())
-        metrics.labelled(metrics.CACHED_TOKENS, self.role).set(cached)
+
+    def cached_tokens(self) -> int:
+        """Tokens held in all live sessions' caches (read on the metrics thread: the
+        values are copied in one step, under the GIL, before they are summed)."""
+        return sum(s.length for s in list(self._sessions.values()))

@@ -161,7 +161,6 @@ class Verifier(ModelService):
                 self._verify(session, pending, drafts, qs, seed, dense_p, pit, run, guesses),
                 kind,
             )
-        self.sessions.update_gauges()
         verdict.compute_s = time.perf_counter() - start
         return verdict
 
@@ -231,7 +230,6 @@ class Verifier(ModelService):
         if session.extra.ahead is a:
             a.rows.append(_own(logits))
             a.fed.append(int(greedy_tokens(logits)[0]))
-        self.sessions.update_gauges()
         return True
 
     async def _verify_ahead(self, session: Session, a: Ahead, drafts, qs) -> Verdict:

@@ -32,6 +32,30 @@ def test_store_limit_and_ids():
     assert len(store) == 2
 
 
+def test_cached_tokens_are_summed_when_read_not_per_step():
+    """specdec_model_cached_tokens is the sum over the live sessions' caches as they
+    are when /metrics is read: no step has to keep it current (a sum over every
+    session on each step made a round of steps O(sessions^2))."""
+    from types import SimpleNamespace
+
+    from specdec import metrics
+
+    def cached() -> float:
+        registry = metrics.registry_for("draft")
+        return registry.get_sample_value("specdec_model_cached_tokens", {"role": "draft"})
+
+    store = SessionStore("draft", max_sessions=4)
+    a = Session("a", SamplingParams(), kv=SimpleNamespace(length=5))
+    b = Session("b", SamplingParams(), kv=SimpleNamespace(length=7))
+    store.add(a)
+    store.add(b)
+    assert cached() == 12
+    a.kv.length = 9  # a step grew a's cache; nobody told the store
+    assert cached() == 16
+    store.remove(b)
+    assert cached() == 9
+
+
 def test_orchestrator_refuses_pair_with_different_vocabularies(tmp_path, llama_pair):
     draft_dir, target_dir = llama_pair
     # A draft whose vocabulary is larger than the target's (and the tokenizer's).
