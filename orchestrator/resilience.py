@@ -48,6 +48,7 @@ MAX_OWN_BACKOFF = 64  # steps a request goes without a draft after its draft kep
 
 # A call whose timeout the request's deadline cut short may end this much before it.
 _DEADLINE_SLACK_S = 0.01
+_DEADLINE_PASSED = "deadline: the request's deadline passed while generating"
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Budget:
             return configured
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded("deadline: the request's deadline passed while generating")
+            raise DeadlineExceeded(_DEADLINE_PASSED)
         return min(configured, left)
 
     def passed(self, within: float = 0.0) -> bool:
@@ -235,9 +236,7 @@ class DraftLink(_Link):
                 return proposal
             except SpecdecError as e:
                 if self.budget.passed():
-                    raise DeadlineExceeded(
-                        "deadline: the request's deadline passed while generating"
-                    ) from None
+                    raise DeadlineExceeded(_DEADLINE_PASSED) from None
                 if isinstance(e, SessionLost) and attempt == 1:
                     log.warning("draft lost session %s: re-prefilling", self.session_id)
                     self.drop_session()
@@ -279,9 +278,7 @@ class DraftLink(_Link):
             )
         except SpecdecError as e:
             if self.budget.passed(_DEADLINE_SLACK_S):  # the request's deadline, not an outage
-                raise DeadlineExceeded(
-                    "deadline: the request's deadline passed while generating"
-                ) from None
+                raise DeadlineExceeded(_DEADLINE_PASSED) from None
             self._failed(e)
 
 

@@ -148,11 +148,11 @@ class ForwardLoop:
         try:
             return await future
         finally:
-            # Cancelled by the caller: drop the job. (Cancelling the caller cancels the
-            # future it awaits too, so a job still queued is the only sign of it.)
-            if any(p.future is future for p in self._waiting):
-                self._waiting = [p for p in self._waiting if p.future is not future]
-                job.close()
+            # Cancelled by the caller: cancelling the caller cancels the future it
+            # awaits too. Drop the job now, not at the next forward: the session's next
+            # job may come first.
+            if future.cancelled():
+                self._drop_cancelled()
 
     # ---- the loop -----------------------------------------------------------------------
     async def _drive(self) -> None:
@@ -192,13 +192,8 @@ class ForwardLoop:
 
     def _select(self) -> list[tuple[_Pending, Feed]]:
         """The feeds of the next forward: short ones oldest first, then long ones cut to fit."""
-        if any(p.future.cancelled() for p in self._waiting):
-            # Their callers were cancelled and have not resumed yet (``run`` drops them
-            # then): none of their feeds runs after the cancel.
-            for p in self._waiting:
-                if p.future.cancelled():
-                    p.job.close()
-            self._waiting = [p for p in self._waiting if not p.future.cancelled()]
+        # Callers cancelled that have not resumed yet: none of their feeds runs after it.
+        self._drop_cancelled()
         budget = self.max_batch_tokens
         short = [p for p in self._waiting if len(p.feed.tokens) <= LONG_FEED]
         long = [p for p in self._waiting if len(p.feed.tokens) > LONG_FEED]
@@ -267,6 +262,14 @@ class ForwardLoop:
                 self.on_batch(stats)
             except Exception:  # (metrics): the jobs have their results
                 log.exception("forward loop: on_batch failed")
+
+    def _drop_cancelled(self) -> None:
+        """Take the jobs whose callers were cancelled out of the loop, and close them."""
+        if any(p.future.cancelled() for p in self._waiting):
+            for p in self._waiting:
+                if p.future.cancelled():
+                    p.job.close()
+            self._waiting = [p for p in self._waiting if not p.future.cancelled()]
 
     def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
         self._waiting = [w for w in self._waiting if w is not p]
