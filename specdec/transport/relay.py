@@ -235,6 +235,11 @@ class _Link:
         except TimeoutError:
             write.cancel()
             self.broken = True
+        except asyncio.CancelledError:
+            # Nobody waits for it now: a refusal for want of its session means its
+            # request ended, not that the address reached another replica (no rest).
+            self.late.append(request.tag)
+            raise
         if self.broken:
             self.echoes.pop(request.tag, None)
             return False
