@@ -182,6 +182,9 @@ class Orchestrator:
             self.remote_pools()
         self.target_pool.check = self.check_target
         self.draft_pool.check = self.check_draft
+        # A breaker's trial is an open (prefill) and one call, each within its timeout.
+        self.target_pool.trial_s = 2 * o.target_timeout_s
+        self.draft_pool.trial_s = 2 * o.draft_timeout_s
         self.target_info = await self.target_pool.wait_ready(o.connect_timeout_s)
         try:
             self.draft_info = await self.draft_pool.wait_ready(o.connect_timeout_s)

@@ -75,13 +75,14 @@ class ReplicaPool:
     retry_max_s: float
     check: Callable[[ModelInfo], None] = lambda info: None
     resolver: Callable[[str], list[str]] = resolve
+    trial_s: float = 5.0  # the longest a breaker's trial call may keep the others away
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def _add(self, address: str) -> Replica:
         replica = Replica(
             address,
             self.make_port(address),
-            CircuitBreaker(self.retry_after_s, self.retry_max_s),
+            CircuitBreaker(self.retry_after_s, self.retry_max_s, self.trial_s),
         )
         self.replicas[address] = replica
         return replica

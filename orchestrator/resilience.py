@@ -97,18 +97,35 @@ class _Link:
         self.counter = counter
         self.spawn = spawn  # runs a coroutine that must outlive a cancelled request
         self.replica: Replica | None = None
+        self.trial = False  # this link's next call is its replica's trial (half-open breaker)
         self.session = None
         self.cursor: Cursor | None = None
 
     def pin(self, replica: Replica) -> None:
-        self.unpin()
-        replica.pinned += 1
-        self.replica = replica
+        if replica is not self.replica:
+            self.unpin()
+            replica.pinned += 1
+            self.replica = replica
+        if not self.trial:
+            self.trial = replica.breaker.claim()
 
     def unpin(self) -> None:
         if self.replica is not None:
+            if self.trial:  # leaving without an outcome: another request may try
+                self.replica.breaker.release()
+                self.trial = False
             self.replica.pinned -= 1
             self.replica = None
+
+    def _success(self) -> bool:
+        """A call to the pinned replica succeeded; True if that closed its breaker."""
+        self.trial = False
+        return self.replica.breaker.success()
+
+    def _outage(self) -> None:
+        """The pinned replica failed as a whole: count it against its breaker."""
+        self.trial = False
+        self.replica.breaker.failure()
 
     def drop_session(self) -> None:
         """Forget the session (closing it in the background)."""
@@ -170,6 +187,8 @@ class DraftLink(_Link):
                 self.unpin()
                 return
             self._failed(e)
+            return
+        self._succeeded()
 
     async def propose(
         self,
@@ -214,12 +233,12 @@ class DraftLink(_Link):
             self.on_fallback(self.skip_reason)
             return None
         if self.session is None:
-            replica = self.replica if self.replica and self.replica.usable() else self.pool.pick()
+            mine = self.replica is not None and (self.trial or self.replica.usable())
+            replica = self.replica if mine else self.pool.pick()
             if replica is None:
                 self.on_fallback("breaker_open")
                 return None
-            if replica is not self.replica:
-                self.pin(replica)
+            self.pin(replica)
         for attempt in (1, 2):
             try:
                 if self.session is None:
@@ -247,7 +266,7 @@ class DraftLink(_Link):
 
     def _succeeded(self) -> None:
         self.own_failures = 0
-        if self.replica.breaker.success():
+        if self._success():
             self.on_recovered()
 
     def _failed(self, e: SpecdecError, fallback: bool = True) -> None:
@@ -263,7 +282,7 @@ class DraftLink(_Link):
             self.skip_steps = min(1 << (self.own_failures - 1), MAX_OWN_BACKOFF)
             self.skip_reason = reason
         elif self.replica is not None:
-            self.replica.breaker.failure()  # an outage
+            self._outage()
         self.drop_session()
         self.unpin()
         if fallback:
@@ -321,9 +340,10 @@ class TargetLink(_Link):
                     raise
                 # Down, or hung past target_timeout_s (stopped, cut off without a
                 # reset): an outage either way.
-                replica.breaker.failure()
+                self._outage()
                 self.drop_session()
                 continue
+            self._success()
             # From its first token on, the request stays on this model.
             self.model = replica.info.model_fingerprint
             return
@@ -369,7 +389,7 @@ class TargetLink(_Link):
                 verdict = await self.session.verify(
                     self.cursor, proposal, seed, dense_p, timeout, pit, run, follow
                 )
-                self.replica.breaker.success()
+                self._success()
                 verdict.drafts_dropped = dropped
                 return verdict
             except SessionLost as e:
@@ -417,7 +437,7 @@ class TargetLink(_Link):
         and pin another replica of the same model if there is one (re-prefilled from
         the history on the next call; one behind an open breaker too, as a trial).
         Returns whether it moved."""
-        self.replica.breaker.failure()
+        self._outage()
         self.drop_session()
         other = self.pool.pick(exclude=self.replica, model=self.model)
         if other is None:
