@@ -67,6 +67,7 @@ class _Pending:
     arrived: float = field(default_factory=time.perf_counter)
     kind: str = "step"
     waited: bool = False  # its first forward has run (queue wait recorded)
+    key: int = 0  # id of its session's cache (its key in ``ForwardLoop._waiting``)
 
 
 @dataclass
@@ -96,7 +97,8 @@ class ForwardLoop:
         self.on_batch = on_batch
         self.batch_wait_s = batch_wait_s
         self.kind_wait_s = kind_wait_s or {}
-        self._waiting: list[_Pending] = []
+        # The sessions' jobs, by id of their cache, oldest first (one per session).
+        self._waiting: dict[int, _Pending] = {}
         # Sessions (by id of their cache) whose job finished in a forward and that may
         # come back with their next one: until when to wait for it.
         self._returning: dict[int, float] = {}
@@ -111,7 +113,7 @@ class ForwardLoop:
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for p in self._waiting:
+        for p in self._waiting.values():
             if not p.future.done():
                 p.future.cancel()
         self._waiting.clear()
@@ -137,13 +139,14 @@ class ForwardLoop:
             feed = next(job)
         except StopIteration as done:  # a job that needs no forward
             return done.value
-        for p in self._waiting:
-            if p.feed.kv is feed.kv:
-                job.close()
-                raise Internal(f"session busy: a {kind} job came while its {p.kind} job runs")
+        key = id(feed.kv)
+        busy = self._waiting.get(key)
+        if busy is not None:
+            job.close()
+            raise Internal(f"session busy: a {kind} job came while its {busy.kind} job runs")
         future = asyncio.get_running_loop().create_future()
-        self._returning.pop(id(feed.kv), None)
-        self._waiting.append(_Pending(job, future, feed, kind=kind))
+        self._returning.pop(key, None)
+        self._waiting[key] = _Pending(job, future, feed, kind=kind, key=key)
         self._wake.set()
         try:
             return await future
@@ -152,7 +155,10 @@ class ForwardLoop:
             # awaits too. Drop the job now, not at the next forward: the session's next
             # job may come first.
             if future.cancelled():
-                self._drop_cancelled()
+                p = self._waiting.get(key)
+                if p is not None and p.future is future:
+                    del self._waiting[key]
+                    p.job.close()
 
     # ---- the loop -----------------------------------------------------------------------
     async def _drive(self) -> None:
@@ -163,7 +169,7 @@ class ForwardLoop:
             else:
                 # Let RPCs that arrived during the last forward add their jobs first.
                 await asyncio.sleep(0)
-            if self._returning and any(p.kind not in BACKGROUND for p in self._waiting):
+            if self._returning and any(p.kind not in BACKGROUND for p in self._waiting.values()):
                 await self._gather()
             batch = self._select()
             if batch:
@@ -195,8 +201,8 @@ class ForwardLoop:
         # Callers cancelled that have not resumed yet: none of their feeds runs after it.
         self._drop_cancelled()
         budget = self.max_batch_tokens
-        short = [p for p in self._waiting if len(p.feed.tokens) <= LONG_FEED]
-        long = [p for p in self._waiting if len(p.feed.tokens) > LONG_FEED]
+        short = [p for p in self._waiting.values() if len(p.feed.tokens) <= LONG_FEED]
+        long = [p for p in self._waiting.values() if len(p.feed.tokens) > LONG_FEED]
         chosen: list[tuple[_Pending, Feed]] = []
         if long:  # the oldest prefill always progresses
             budget -= min(len(long[0].feed.tokens), max(1, self.max_batch_tokens // 4))
@@ -265,14 +271,13 @@ class ForwardLoop:
 
     def _drop_cancelled(self) -> None:
         """Take the jobs whose callers were cancelled out of the loop, and close them."""
-        if any(p.future.cancelled() for p in self._waiting):
-            for p in self._waiting:
-                if p.future.cancelled():
-                    p.job.close()
-            self._waiting = [p for p in self._waiting if not p.future.cancelled()]
+        cancelled = [k for k, p in self._waiting.items() if p.future.cancelled()]
+        for key in cancelled:
+            self._waiting.pop(key).job.close()
 
     def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
-        self._waiting = [w for w in self._waiting if w is not p]
+        if self._waiting.get(p.key) is p:
+            del self._waiting[p.key]
         if p.future.done():
             return
         if error is not None:
