@@ -198,6 +198,44 @@ def test_sigterm_under_load_finishes_in_flight_work(fault_stack, role):
     no_sessions(stack, roles=survivors)
 
 
+@pytest.mark.parametrize("role", ["draft", "target", "orchestrator"])
+def test_sigterm_ends_a_held_health_watch(fault_stack, role):
+    """A client holding a ``grpc.health.v1.Health/Watch`` stream (gRPC's client-side
+    health checking does) sees NOT_SERVING, then the stream ends, and the service
+    exits once drained. (Before, the stream ran on, and the service waited out its
+    whole grace period before it stopped.)"""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stack = fault_stack
+    seen: list[int] = []
+    ended: list[object] = []
+    with grpc.insecure_channel(stack.address(role)) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+
+        def follow() -> None:
+            try:
+                for response in watch:
+                    seen.append(response.status)
+                ended.append("ok")
+            except grpc.RpcError as e:
+                ended.append(e.code())
+
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        wait_until(lambda: seen, what="the first health status")
+        stack.signal(role, signal.SIGTERM)
+        drained = time.monotonic()
+        assert stack.proc(role).wait(30) == 0
+        assert time.monotonic() - drained < 5.0, role  # the grace period is 10 s
+        follower.join(5)
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    assert seen[0] == serving and seen[-1] == not_serving, seen
+    assert ended == ["ok"], ended
+
+
 @pytest.mark.parametrize(
     ("details", "expected"),
     [

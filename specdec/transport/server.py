@@ -21,7 +21,6 @@ from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specdec import metrics
@@ -219,11 +218,64 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
     )
 
 
+class Health(health_pb2_grpc.HealthServicer):
+    """The standard health service (``grpc.health.v1``), whose Watch streams end
+    when the server stops. (grpcio-health-checking's own runs until its client
+    leaves, so a client holding one, as gRPC's client-side health checking does,
+    made a draining service wait out its whole grace period.)"""
+
+    def __init__(self) -> None:
+        self._status = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._changed = asyncio.Event()  # set (and replaced) on every change
+        self._stopping = False  # NOT_SERVING for good
+        self._ended = False  # Watch streams end
+
+    async def Check(self, request, context):
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(request.service, unknown)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._ended:
+                return
+            await changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def set(self, service: str, status: int) -> None:
+        if not self._stopping:
+            self._status[service] = status
+            self._notify()
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING, for good (later ``set`` calls are ignored)."""
+        self._stopping = True
+        for service in self._status:
+            self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._notify()
+
+    def end_watches(self) -> None:
+        """End every Watch stream (after its last status), now and from now on."""
+        self._ended = True
+        self._notify()
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     port: int
-    health: HealthServicer
+    health: Health
     service_names: tuple[str, ...]
 
     async def set_serving(self, serving: bool) -> None:
@@ -265,7 +317,7 @@ async def start_server(
         ],
     )
     register(server)
-    health = HealthServicer()
+    health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (
@@ -303,9 +355,9 @@ async def serve_until_signal(running: RunningServer, domain: Drainable, grace_s:
 
     Health turns NOT_SERVING, new work is refused (UNAVAILABLE) while in-flight
     work (live sessions, running requests) finishes, for at most grace_s; then
-    the streams a peer holds open between requests end (a draft's relay: the
-    server would otherwise wait for it to the end of grace_s), the server stops
-    and the domain is closed.
+    the streams a peer holds open between requests end (a draft's relay, and
+    health Watch streams: the server would otherwise wait for them to the end of
+    grace_s), the server stops and the domain is closed.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -322,6 +374,7 @@ async def serve_until_signal(running: RunningServer, domain: Drainable, grace_s:
         domain.end_idle_streams()
     else:
         log.warning("grace period over with work in flight; stopping anyway")
+    running.health.end_watches()
     await running.server.stop(max(0.1, deadline - time.monotonic()))
     await domain.aclose()
     log.info("stopped")
