@@ -25,7 +25,13 @@ from typing import Any
 import specdec
 from specdec import metrics, tracing
 from specdec.config import MAX_GAMMA, Config
-from specdec.errors import FailedPrecondition, Internal, ResourceExhausted, Unavailable
+from specdec.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    ResourceExhausted,
+    Unavailable,
+)
 from specdec.rng import generator, seeds
 from specdec.runtime.loading import ModelInfo, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import Proposal
@@ -321,7 +327,16 @@ class Orchestrator:
         self.queued += 1
         metrics.QUEUED_REQUESTS.set(self.queued)
         try:
-            await self._slots.acquire()
+            if deadline is None:
+                await self._slots.acquire()
+            else:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._slots.acquire()
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"deadline: the request's deadline passed while it was queued ({self.live} "
+                f"generating, at max_concurrent_requests={o.max_concurrent_requests})"
+            ) from None
         finally:
             self.queued -= 1
             metrics.QUEUED_REQUESTS.set(self.queued)

@@ -318,3 +318,50 @@ def test_explicit_rollback_keeps_a_chained_steps_block(llama_pair, temperature):
         assert got == want
     assert stats.overlapped_steps > 0
     assert stats.fallback_steps == 0 and failures == [0], (stats, failures)
+
+
+def test_queued_requests_leave_the_queue_when_cancelled_or_out_of_time(llama_pair):
+    """With every slot taken, a queued request that is cancelled leaves the queue
+    (the next one still gets the slot), and one whose deadline passes while it
+    waits ends with DEADLINE_EXCEEDED then, not when a slot frees. (Before, it
+    waited for a slot however long that took, and then failed.)"""
+    import time
+
+    from orchestrator.requests import parse
+    from specdec.errors import DeadlineExceeded
+    from specdec.v1 import orchestrator_pb2
+
+    draft, target = llama_pair
+
+    async def scenario():
+        async with in_process(
+            draft, target, max_concurrent_requests=1, max_queued_requests=4
+        ) as system:
+            o = system.orch
+            req = orchestrator_pb2.GenerateRequest(text="x", max_new_tokens=4, temperature=0.0)
+            spec = parse(req, o.cfg.orchestrator, o.tokenizer, o.target_info, o.draft_info, 1 << 20)
+
+            async def run(deadline: float | None = None) -> int:
+                n = 0
+                async for _ in o.generate(spec, time.monotonic(), deadline):
+                    n += 1
+                return n
+
+            holder = o.generate(spec, time.monotonic())
+            await anext(holder)  # it holds the one slot while it is not read on
+            cancelled = asyncio.ensure_future(run())
+            waiting = asyncio.ensure_future(run())
+            began = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="queued"):
+                await asyncio.wait_for(run(time.monotonic() + 0.3), 5)
+            out_of_time = time.monotonic() - began
+            assert o.queued == 2
+            cancelled.cancel()
+            await asyncio.gather(cancelled, return_exceptions=True)
+            assert o.queued == 1
+            await holder.aclose()  # the slot frees: the request still queued gets it
+            assert await asyncio.wait_for(waiting, 30) > 0
+            return out_of_time, o.live, o.queued
+
+    out_of_time, live, queued = asyncio.run(scenario())
+    assert out_of_time < 2.0 and live == 0 and queued == 0, (out_of_time, live, queued)
