@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.config import GatewayConfig
-from specdec.transport.channels import channel_credentials
+from specdec.transport.channels import channel_credentials, keepalive_options
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 
@@ -70,10 +70,7 @@ class Orchestrator:
             ("grpc.max_reconnect_backoff_ms", 1000),
             # A connection whose peer went silent (node gone, no reset) is found by its
             # unanswered ping (GatewayConfig.keepalive_s), for as long as a call waits.
-            ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_s * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_s * 1000)),  # (grpc 1.6x on)
-            ("grpc.http2.max_pings_without_data", 0),
+            *keepalive_options(cfg.keepalive_s),
         ]
         creds = channel_credentials(cfg.orchestrator_tls)
         address = cfg.orchestrator_address

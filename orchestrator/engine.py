@@ -162,7 +162,7 @@ class Orchestrator:
         o = self.cfg.orchestrator
 
         def channel(address: str):
-            return open_channel(address, o.upstream_tls, o.max_message_bytes)
+            return open_channel(address, o.upstream_tls, o.max_message_bytes, o.keepalive_s)
 
         self.target_pool = ReplicaPool(
             "target",

@@ -285,6 +285,12 @@ class OrchestratorConfig:
     connect_timeout_s: float = 120.0
     # Largest gRPC message accepted, in bytes.
     max_message_bytes: int = 16 * 1024 * 1024
+    # While a call to a draft or target replica is open, ping its connection this
+    # often (HTTP/2 keepalive) and give it up when a ping is not answered in as long:
+    # a replica whose node died or was cut off without a reset fails its calls with
+    # UNAVAILABLE within twice this (requests then move to another replica), not at
+    # target_timeout_s. At least 1 (the services take a ping a second at most).
+    keepalive_s: float = 10.0
     # Client side TLS towards draft and target; server side TLS for the API.
     tls: TlsConfig = field(default_factory=TlsConfig)
     upstream_tls: TlsConfig = field(default_factory=TlsConfig)
@@ -485,11 +491,13 @@ def _validate(cfg: Config) -> None:
     if cfg.target.lookahead_tokens > MAX_GAMMA:
         got = cfg.target.lookahead_tokens
         raise ConfigError(f"target.lookahead_tokens: must be <= {MAX_GAMMA}, got {got}")
-    if cfg.gateway.keepalive_s < MIN_KEEPALIVE_S:
-        raise ConfigError(
-            f"gateway.keepalive_s: must be >= {MIN_KEEPALIVE_S:g} (the services take a ping"
-            f" a second at most), got {cfg.gateway.keepalive_s}"
-        )
+    for section in ("gateway", "orchestrator"):
+        keepalive_s = getattr(cfg, section).keepalive_s
+        if keepalive_s < MIN_KEEPALIVE_S:
+            raise ConfigError(
+                f"{section}.keepalive_s: must be >= {MIN_KEEPALIVE_S:g} (the services take a"
+                f" ping a second at most), got {keepalive_s}"
+            )
     if cfg.gateway.chat_template not in CHAT_TEMPLATES:
         raise ConfigError(
             f"gateway.chat_template: must be one of {CHAT_TEMPLATES}, "

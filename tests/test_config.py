@@ -35,6 +35,8 @@ def test_the_local_config_gives_each_model_service_one_thread():
         ({**BASE, "draft": {"model": "d", "port": 70000}}, "draft.port"),
         ({**BASE, "orchestrator": {"gamma": 20}}, "orchestrator.gamma"),
         ({**BASE, "orchestrator": {"max_new_tokens": 0}}, "orchestrator.max_new_tokens"),
+        ({**BASE, "orchestrator": {"keepalive_s": 0.5}}, "orchestrator.keepalive_s"),
+        ({**BASE, "gateway": {"keepalive_s": 0}}, "gateway.keepalive_s"),
         ({"draft": {"model": "d"}, "target": {}}, "target.model"),
         (
             {**BASE, "draft": {"model": "d", "trust_remote_code": "maybe"}},

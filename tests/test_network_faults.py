@@ -234,3 +234,50 @@ def test_lost_open_answer_leaves_no_session(faulty, reference, peer):
     finally:
         proxy.pass_through()
     assert_no_leaks(stack)
+
+
+@pytest.mark.parametrize("keepalive_s", [1.0, None])
+def test_a_replica_gone_silent_fails_its_open_calls_within_twice_the_keepalive(keepalive_s):
+    """A replica's node dies or is cut off without a reset while the orchestrator
+    has calls open on it: nothing tells the connection. With keepalive
+    (``orchestrator.keepalive_s``) its unanswered ping gives the connection up and
+    the calls fail with UNAVAILABLE within twice ``keepalive_s``, so requests move
+    to another replica; without it a call waits for its own deadline
+    (``target_timeout_s``, 30 s). The services' own server and the orchestrator's
+    channel, with a call that stays open (``Health/Watch``)."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.config import TlsConfig
+    from specdec.local.proxy import FaultProxy
+    from specdec.transport.channels import open_channel
+    from specdec.transport.server import start_server
+
+    async def scenario() -> tuple[object, float]:
+        running = await start_server(lambda server: None, (), "127.0.0.1", 0, "test")
+        try:
+            with FaultProxy("127.0.0.1", running.port) as proxy:
+                channel = open_channel(proxy.address, TlsConfig(), 1 << 20, keepalive_s)
+                watch = health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(), timeout=6.0
+                )
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                proxy.stall()
+                began = time.monotonic()
+                try:
+                    await watch.read()
+                except grpc.aio.AioRpcError as e:
+                    code = e.code()
+                took = time.monotonic() - began
+                await channel.close()
+                return code, took
+        finally:
+            await running.server.stop(0)
+
+    code, took = asyncio.run(scenario())
+    print(f"keepalive {keepalive_s}: {code.name} after {took:.2f} s")
+    if keepalive_s:
+        assert code == grpc.StatusCode.UNAVAILABLE and took < 2 * keepalive_s + 1.5, (code, took)
+    else:  # the call's own deadline
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took > 4.0, (code, took)

@@ -174,6 +174,12 @@ class FaultProxy:
             self._server.close()
             for conn in list(self._connections):
                 conn.reset()
+            # End the connections' tasks before the loop stops (a stalled one would
+            # wait on for ever, and be reported when collected on a closed loop).
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
         self._call(shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
