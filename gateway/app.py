@@ -1,15 +1,18 @@
 """The gateway's HTTP routes (aiohttp), thin: body in, one orchestrator call, OpenAI's shape out.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, ``GET /health`` (readiness: 200 while the orchestrator
-answers SERVING and the gateway is not draining, else 503) and
-``GET /health/live`` (liveness: 200 while the process serves HTTP).
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (readiness:
+200 while the orchestrator answers SERVING and the gateway is not draining,
+else 503) and ``GET /health/live`` (liveness: 200 while the process serves HTTP).
 
-Three middlewares, outermost first: ``observe`` (the gateway's metrics),
+Four middlewares, outermost first: ``observe`` (the gateway's metrics),
 ``openai_errors`` (every error as OpenAI's error JSON: ``ApiError``, aiohttp's
-own 404/405/413, and anything unexpected as a logged 500) and ``bearer``
-(``orchestrator.auth_tokens`` on ``/v1/``, compared in constant time, never
-logged; the header is forwarded to the orchestrator, which checks it again).
+own 404/405/413, and anything unexpected as a logged 500), ``cors`` (answers
+browsers' preflight requests from ``gateway.cors_allow_origins``; every
+response to such an origin carries ``Access-Control-Allow-Origin``) and
+``bearer`` (``orchestrator.auth_tokens`` on ``/v1/``, compared in constant
+time, never logged; the header is forwarded to the orchestrator, which checks
+it again).
 
 Not for: validating or shaping OpenAI objects (``openai_schema``), talking
 gRPC (``upstream``), mapping statuses (``errors``), process lifecycle
@@ -19,7 +22,6 @@ gRPC (``upstream``), mapping statuses (``errors``), process lifecycle
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +32,7 @@ from aiohttp import web
 
 from specdec import metrics
 from specdec.config import GatewayConfig
+from specdec.transport import auth
 
 from . import errors
 from .errors import ApiError
@@ -39,6 +42,8 @@ from .openai_schema import (
     ChatShape,
     CompletionShape,
     error_event,
+    model_not_found,
+    model_object,
     models_body,
     parse_json,
 )
@@ -75,7 +80,7 @@ def _state(request: web.Request) -> GatewayState:
 def _authorization(request: web.Request) -> str | None:
     """The Authorization header to forward, if it is one gRPC metadata can carry."""
     header = request.headers.get("Authorization", "")
-    return header if header and header.isascii() and header.isprintable() else None
+    return auth.normalized(header) if header and header.isascii() and header.isprintable() else None
 
 
 # ---- routes ----------------------------------------------------------------------------
@@ -178,6 +183,20 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(models_body(name, state.started, info))
 
 
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the served model, or 404 ``model_not_found``."""
+    state = _state(request)
+    authorization = _authorization(request)
+    try:
+        name = await state.upstream.model_name(authorization)
+        if request.match_info["model"] != name:
+            raise model_not_found(request.match_info["model"], name)
+        info = await state.upstream.info(authorization)
+    except grpc.aio.AioRpcError as e:
+        raise errors.from_rpc_error(e) from None
+    return web.json_response(model_object(name, state.started, info))
+
+
 async def health(request: web.Request) -> web.Response:
     state = _state(request)
     ok = not state.draining and await state.upstream.serving()
@@ -228,7 +247,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             raise
         message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
         code = e.reason.lower().replace(" ", "_")
-        return web.json_response(ApiError(e.status, message, code=code).body(), status=e.status)
+        body = ApiError(e.status, message, code=code).body()
+        kept = {k: v for k, v in e.headers.items() if k == "Allow"}  # a 405's methods
+        return web.json_response(body, status=e.status, headers=kept)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:
@@ -237,17 +258,58 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return web.json_response(error.body(), status=500)
 
 
-def authorized(header: str, tokens: list[bytes]) -> bool:
-    """Constant-time comparison with every accepted token (no early exit)."""
-    given = header.encode("utf-8", "replace")
-    return sum(hmac.compare_digest(given, t) for t in tokens) > 0
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type"
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    """The request's Origin if ``gateway.cors_allow_origins`` lets it in ("*": any)."""
+    origin = request.headers.get("Origin")
+    allowed = _state(request).cfg.cors_allow_origins
+    if origin and allowed and ("*" in allowed or origin in allowed):
+        return origin
+    return None
+
+
+@web.middleware
+async def cors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A browser's preflight (OPTIONS with Access-Control-Request-Method) from an
+    allowed origin is answered here, before the bearer check: it never carries the
+    token. Other requests go on; ``_cors_headers`` marks their responses."""
+    origin = _cors_origin(request)
+    if (
+        origin is not None
+        and request.method == "OPTIONS"
+        and "Access-Control-Request-Method" in request.headers
+    ):
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Origin": origin,
+                "Access-Control-Allow-Methods": CORS_METHODS,
+                "Access-Control-Allow-Headers": request.headers.get(
+                    "Access-Control-Request-Headers", CORS_HEADERS
+                ),
+                "Access-Control-Max-Age": "600",
+                "Vary": "Origin",
+            },
+        )
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """On every response (streams and errors included) to an allowed origin."""
+    origin = _cors_origin(request)
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
 
 
 @web.middleware
 async def bearer(request: web.Request, handler: Handler) -> web.StreamResponse:
     tokens = _state(request).tokens
     if tokens and request.path.startswith("/v1/"):
-        if not authorized(request.headers.get("Authorization", ""), tokens):
+        if not auth.accepted(request.headers.get("Authorization", ""), tokens):
             raise ApiError(
                 401,
                 "missing or invalid bearer token: send `Authorization: Bearer <token>`",
@@ -258,12 +320,15 @@ async def bearer(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 def create_app(state: GatewayState) -> web.Application:
     app = web.Application(
-        middlewares=[observe, openai_errors, bearer], client_max_size=state.cfg.max_body_bytes
+        middlewares=[observe, openai_errors, cors, bearer],
+        client_max_size=state.cfg.max_body_bytes,
     )
     app[STATE] = state
+    app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/health/live", live)
     return app

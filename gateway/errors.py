@@ -7,7 +7,11 @@ finds itself (bad JSON, a bad field, an unknown model or token) carry their own
 (``invalid_argument``, ``resource_exhausted``, ...) and their message, and the
 field an INVALID_ARGUMENT message starts with is named in ``param`` under its
 OpenAI name (``max_new_tokens: must be in [1, 1024], got 0`` becomes
-``max_tokens: ...`` with ``param`` ``max_tokens``).
+``max_tokens: ...`` with ``param`` ``max_tokens``), as are the request's other
+fields the message names. A request too long for the model (its message says
+``maximum context length``, ``specdec.errors.CONTEXT_LENGTH``) gets OpenAI's
+code for it, ``context_length_exceeded``, which clients and proxies (LiteLLM's
+context-window fallbacks, say) look for.
 
 Not for: validating requests (``openai_schema``) or routing (``app``).
 """
@@ -18,6 +22,8 @@ import re
 from collections.abc import Mapping
 
 import grpc
+
+from specdec.errors import CONTEXT_LENGTH
 
 # The HTTP status of each gRPC status an orchestrator call can end with; any
 # other (INTERNAL, UNKNOWN, ...) is a 500. Bad input never gets here as a 500:
@@ -97,13 +103,22 @@ def from_rpc(
     status = HTTP_STATUS.get(code, 500)
     message = details or code.name
     param = None
+    code_name = code.name.lower()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+        names = field_names or {}
         m = _LEADING_FIELD.match(message)
+        rest = message[m.end() :] if m else message
+        for ours, theirs in names.items():  # the other fields it names (identifiers only)
+            if "_" in ours and ours != theirs:
+                rest = re.sub(rf"\b{ours}\b", theirs, rest)
         if m:
-            name = (field_names or {}).get(m.group(1), m.group(1))
-            param = name + m.group(2)
-            message = f"{param}: {message[m.end() :]}"
-    return ApiError(status, message, param=param, code=code.name.lower())
+            param = names.get(m.group(1), m.group(1)) + m.group(2)
+            message = f"{param}: {rest}"
+        else:
+            message = rest
+        if code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_LENGTH in message:
+            code_name = "context_length_exceeded"
+    return ApiError(status, message, param=param, code=code_name)
 
 
 def from_rpc_error(

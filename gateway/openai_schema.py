@@ -53,6 +53,9 @@ from .errors import ApiError, invalid, unsupported
 # OpenAI's documented default for /v1/completions.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**64 - 1
+# OpenAI's seed is a signed 64-bit integer; a negative one is taken as its
+# two's complement (the same unsigned 64 bits), so it stays deterministic.
+MIN_SEED = -(2**63)
 DONE = b"data: [DONE]\n\n"
 # Response header saying how a chat was turned into a prompt.
 CHAT_TEMPLATE_HEADER = "x-specdec-chat-template"
@@ -198,13 +201,17 @@ def _model(body: Mapping, served: str) -> str:
     if not isinstance(model, str) or not model:
         raise invalid("model", "required: the name of the model (GET /v1/models lists it)")
     if model != served:
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{served}`.",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(model, served)
     return model
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist; this server serves `{served}`.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 # ---- the request ------------------------------------------------------------------------
@@ -236,9 +243,9 @@ def _sampling(body: Mapping, max_tokens: int | None, default_max_tokens: int) ->
         "top_k": _int(body, "top_k", 0, 0),
         "stop": _stop(body),
     }
-    seed = _int(body, "seed", None, 0, MAX_SEED)
+    seed = _int(body, "seed", None, MIN_SEED, MAX_SEED)
     if seed is not None:
-        fields["seed"] = seed
+        fields["seed"] = seed % 2**64
     gamma = _int(body, "gamma", None, 0)
     if gamma is not None:
         fields["gamma"] = gamma
@@ -402,7 +409,8 @@ class CompletionShape(_Shape):
         stream = _bool(body, "stream")
         include_usage = _stream_options(body, stream)
         _refuse_unless(body, "echo", (False,), "the prompt is not echoed")
-        _refuse_unless(body, "logprobs", (0,), "no log probabilities")
+        # (0 too: OpenAI then still returns the sampled tokens' log probabilities.)
+        _refuse_unless(body, "logprobs", (), "no log probabilities")
         _refuse_unless(body, "best_of", (1,), "one candidate per request")
         _refuse_unless(body, "suffix", ("",), "no insertion")
         max_tokens = _int(body, "max_tokens", None, 1)
@@ -502,26 +510,26 @@ def error_event(error: ApiError) -> bytes:
     return sse(error.body())
 
 
-def models_body(name: str, created: int, info: orchestrator_pb2.OrchestratorInfo) -> dict:
-    """``GET /v1/models``: the one model this gateway serves, with its pair in ``specdec``."""
+def model_object(name: str, created: int, info: orchestrator_pb2.OrchestratorInfo) -> dict:
+    """``GET /v1/models/{model}``: the model this gateway serves, with its pair in ``specdec``."""
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "specdec",
-                "specdec": {
-                    "draft_model_id": info.draft_model_id,
-                    "target_model_id": info.target_model_id,
-                    "vocab_size": info.vocab_size,
-                    "default_gamma": info.default_gamma,
-                    "max_gamma": info.max_gamma,
-                    "max_new_tokens": info.max_new_tokens,
-                    "max_prompt_tokens": info.max_prompt_tokens,
-                    "server_version": info.server_version,
-                },
-            }
-        ],
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "specdec",
+        "specdec": {
+            "draft_model_id": info.draft_model_id,
+            "target_model_id": info.target_model_id,
+            "vocab_size": info.vocab_size,
+            "default_gamma": info.default_gamma,
+            "max_gamma": info.max_gamma,
+            "max_new_tokens": info.max_new_tokens,
+            "max_prompt_tokens": info.max_prompt_tokens,
+            "server_version": info.server_version,
+        },
     }
+
+
+def models_body(name: str, created: int, info: orchestrator_pb2.OrchestratorInfo) -> dict:
+    """``GET /v1/models``: the one model this gateway serves."""
+    return {"object": "list", "data": [model_object(name, created, info)]}

@@ -25,6 +25,7 @@ from aiohttp import web
 import specdec
 from specdec import metrics
 from specdec.config import Config, TlsConfig
+from specdec.transport import auth
 
 from .app import GatewayState, create_app
 from .upstream import Orchestrator
@@ -57,7 +58,7 @@ async def serve(cfg: Config) -> RunningGateway:
     state = GatewayState(
         g,
         Orchestrator(g),
-        tokens=[f"Bearer {t}".encode() for t in cfg.orchestrator.auth_tokens],
+        tokens=auth.expected(cfg.orchestrator.auth_tokens),
     )
     runner = web.AppRunner(
         create_app(state),

@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass
 
 from specdec.config import OrchestratorConfig
-from specdec.errors import InvalidArgument, require
+from specdec.errors import CONTEXT_LENGTH, InvalidArgument, require
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2
@@ -84,7 +84,8 @@ def parse(
     require(
         len(prompt) <= o.max_prompt_tokens,
         kind,
-        f"prompt has {len(prompt)} tokens, over the limit of {o.max_prompt_tokens}",
+        f"prompt has {len(prompt)} tokens, over the limit of {o.max_prompt_tokens} (this "
+        f"server's {CONTEXT_LENGTH} for a prompt)",
     )
     require(
         1 <= r.max_new_tokens <= o.max_new_tokens,
@@ -124,8 +125,9 @@ def parse(
     require(
         need <= room,
         "max_new_tokens",
-        f"prompt ({len(prompt)}) + max_new_tokens ({r.max_new_tokens}) + gamma + 1 "
-        f"exceeds the services' max_context ({room})",
+        f"the model's {CONTEXT_LENGTH} is {room} tokens, and the prompt ({len(prompt)}) + "
+        f"max_new_tokens ({r.max_new_tokens}) + gamma + 1 (a speculative step's room) "
+        "exceeds it",
     )
     return RequestSpec(
         prompt=prompt,

@@ -335,6 +335,10 @@ class GatewayConfig:
     # or an error event mid-stream) within twice this, not after request_timeout_s.
     # At least 1 (the services take a ping a second at most).
     keepalive_s: float = 20.0
+    # Browser origins allowed to call the API (CORS), e.g. ["https://app.example.com"];
+    # ["*"]: any origin; empty: none (no CORS headers; a browser's cross-origin
+    # calls then fail).
+    cors_allow_origins: list = field(default_factory=list)
 
 
 @dataclass

@@ -8,6 +8,11 @@ the same classes to its own codes.
 
 from __future__ import annotations
 
+# In the message of every INVALID_ARGUMENT about a request too long for the model:
+# what OpenAI's API says there, and what clients of it look for (the HTTP gateway
+# gives such errors OpenAI's code ``context_length_exceeded``).
+CONTEXT_LENGTH = "maximum context length"
+
 
 class SpecdecError(Exception):
     """Base class of every domain error."""

@@ -228,6 +228,10 @@ def test_models_and_health(gw):
     (model,) = models.data
     assert model.id == MODEL and model.object == "model" and model.owned_by == "specdec"
     assert model.model_extra["specdec"]["vocab_size"] > 0
+    assert client(gw).models.retrieve(MODEL) == model  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as err:
+        client(gw).models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
     for path in ("/health", "/health/live"):
         conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
         conn.request("GET", path)

@@ -248,3 +248,56 @@ def test_an_orchestrator_gone_silent_mid_stream_is_an_error_in_seconds(tmp_path)
             assert status == 200 and json.loads(raw)["choices"][0]["text"] == "abcd"
     finally:
         server.stop(0)
+
+
+def test_cors_for_the_origins_configured_and_no_other(tmp_path):
+    """``gateway.cors_allow_origins``: a browser's preflight from an allowed origin is
+    answered (204, before the bearer check: a preflight never carries the token), and
+    every response to that origin, errors and streams included, carries
+    ``Access-Control-Allow-Origin``; another origin gets none of it. The bearer
+    scheme is read without regard to case (RFC 9110), here and at the orchestrator."""
+    app_origin = "https://app.example"
+    config = {**CONFIG, "orchestrator": {"auth_tokens": ["tok"]}}
+    server, _, port = scripted_server()
+
+    def call(gw, method: str, path: str, headers: dict, body: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+        try:
+            conn.request(method, path, json.dumps(body) if body else None, headers)
+            r = conn.getresponse()
+            return r.status, r.headers, r.read()
+        finally:
+            conn.close()
+
+    try:
+        with gateway(tmp_path, config, f"127.0.0.1:{port}", cors_allow_origins=[app_origin]) as gw:
+            preflight = {
+                "Origin": app_origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            }
+            status, headers, _ = call(gw, "OPTIONS", "/v1/completions", preflight)
+            assert status == 204, status
+            assert headers["Access-Control-Allow-Origin"] == app_origin
+            assert "POST" in headers["Access-Control-Allow-Methods"]
+            assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+            body = {"model": MODEL, "prompt": "ok"}
+            for token, want in (("", 401), ("Bearer tok", 200), ("bearer tok", 200)):
+                headers_in = {"Origin": app_origin, **({"Authorization": token} if token else {})}
+                status, headers, raw = call(gw, "POST", "/v1/completions", headers_in, body)
+                assert status == want, (token, status, raw)
+                assert headers["Access-Control-Allow-Origin"] == app_origin, token
+            stream = {"Origin": app_origin, "Authorization": "BEARER tok"}
+            status, headers, raw = call(
+                gw, "POST", "/v1/completions", stream, {**body, "stream": True}
+            )
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
+            assert headers["Access-Control-Allow-Origin"] == app_origin
+            other = {**preflight, "Origin": "https://elsewhere.example"}
+            status, headers, _ = call(gw, "OPTIONS", "/v1/completions", other)
+            assert status == 401 and "Access-Control-Allow-Origin" not in headers
+            other = {"Origin": "https://elsewhere.example", "Authorization": "Bearer tok"}
+            status, headers, _ = call(gw, "POST", "/v1/completions", other, body)
+            assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    finally:
+        server.stop(0)

@@ -212,7 +212,7 @@ BAD_COMPLETIONS = [
     ({**C, "gamma": 10**6}, 400, "gamma"),
     ({**C, "gamma": "four"}, 400, "gamma"),
     ({**C, "overlap": "yes"}, 400, "overlap"),
-    ({**C, "seed": -1}, 400, "seed"),
+    ({**C, "seed": -(2**63) - 1}, 400, "seed"),  # (a negative int64 is taken: its 64 bits)
     ({**C, "seed": 2**64}, 400, "seed"),
     ({**C, "seed": 1.5}, 400, "seed"),
     ({**C, "stop": 5}, 400, "stop"),
@@ -245,6 +245,7 @@ BAD_COMPLETIONS = [
     ({**C, "model": 5}, 400, "model"),
     ({**C, "model": "gpt-4o"}, 404, "model"),
     ({**C, "logprobs": 5}, 400, "logprobs"),
+    ({**C, "logprobs": 0}, 400, "logprobs"),  # OpenAI then returns the sampled tokens' ones
     ({**C, "echo": True}, 400, "echo"),
     ({**C, "best_of": 2}, 400, "best_of"),
     ({**C, "suffix": "end"}, 400, "suffix"),
@@ -336,9 +337,43 @@ def test_http_level_errors_are_in_openais_shape_too(gw):
     assert status == 404 and json.loads(raw)["error"]["type"] == "invalid_request_error"
     status, headers, raw = request(gw, "GET", "/v1/completions")
     assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+    assert headers["Allow"] == "POST"  # (RFC 9110: a 405 says which methods are)
     big = json.dumps({**C, "prompt": "x" * (2 * 1024 * 1024)}).encode()
     status, headers, raw = request(gw, "POST", "/v1/completions", big)
     assert status == 413 and json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**C, "prompt": "x" * 5000}, "prompt"),  # over max_prompt_tokens
+        ({**C, "prompt": "x" * 1500, "max_tokens": 1000}, "max_tokens"),  # over max_context
+        (
+            {**M, "messages": [{"role": "user", "content": "x" * 1500}], "max_tokens": 1000},
+            "max_tokens",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x" * 1500}],
+                "max_completion_tokens": 1000,
+            },
+            "max_completion_tokens",
+        ),
+    ],
+    ids=["prompt", "completion", "chat", "chat-max-completion-tokens"],
+)
+def test_a_request_too_long_for_the_model_is_context_length_exceeded(gw, body, param):
+    """OpenAI's code and wording for it, which clients and proxies look for (LiteLLM's
+    context-window fallbacks match "maximum context length"); the request's own
+    field names throughout the message, none of the gRPC API's."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, _, raw = request(gw, "POST", path, body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["code"] == "context_length_exceeded", error
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+    assert "maximum context length" in error["message"], error
+    assert "max_new_tokens" not in error["message"], error
 
 
 def test_no_bad_input_ever_became_a_500(gw):

@@ -46,6 +46,9 @@ def test_completion_fields_map_onto_the_grpc_request():
     r = completion(max_tokens=7, temperature=0.5, top_p=0.9, stop="x", seed=3)
     assert (r.text, r.max_new_tokens, r.temperature, r.top_p) == ("hi", 7, 0.5, pytest.approx(0.9))
     assert list(r.stop) == ["x"] and r.seed == 3
+    # OpenAI's seed is a signed int64: a negative one is its two's complement.
+    assert completion(seed=-1).seed == 2**64 - 1
+    assert completion(seed=-(2**63)).seed == 2**63
     assert not r.HasField("gamma") and r.top_k == 0
     r = completion(top_k=5, gamma=0, stop=["a", "b"])
     assert r.top_k == 5 and r.HasField("gamma") and r.gamma == 0 and list(r.stop) == ["a", "b"]

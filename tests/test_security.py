@@ -285,6 +285,9 @@ def test_right_token_works_and_health_needs_none(secure):
             orchestrator_pb2.OrchestratorInfoRequest(), timeout=10, metadata=bearer(TOKEN)
         )
         assert info.vocab_size > 0
+        # The scheme is read without regard to case (RFC 9110, 11.1); the token exactly.
+        ids, _ = generate(ch, [("authorization", f"bearer {TOKEN}")])
+        assert len(ids) > 0
         # Probes (Kubernetes, load balancers) check health without a token.
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -10,7 +10,6 @@ Not for: business logic; servicers call one domain method per RPC.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import time
@@ -27,6 +26,7 @@ from specdec import metrics
 from specdec.config import MIN_KEEPALIVE_S, TlsConfig
 from specdec.errors import InvalidArgument, SpecdecError
 
+from . import auth
 from .status import code_of
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, service: str, auth_tokens: Iterable[str] = ()) -> None:
         self.service = service
-        self._tokens = [f"Bearer {t}".encode() for t in auth_tokens]
+        self._tokens = auth.expected(auth_tokens)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -51,7 +51,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._tokens:
             md = dict(handler_call_details.invocation_metadata or ())
-            if not self._authorized(md.get("authorization", "")):
+            if not auth.accepted(md.get("authorization", ""), self._tokens):
                 return _abort_handler(
                     handler,
                     grpc.StatusCode.UNAUTHENTICATED,
@@ -77,11 +77,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         return handler
-
-    def _authorized(self, header: str | bytes) -> bool:
-        """Constant-time comparison with every accepted token (no early exit)."""
-        given = header.encode() if isinstance(header, str) else header
-        return sum(hmac.compare_digest(given, t) for t in self._tokens) > 0
 
     def _observe(self, method: str, start: float, code: grpc.StatusCode) -> None:
         metrics.RPC_DURATION.labels(self.service, method).observe(time.perf_counter() - start)
