@@ -124,7 +124,8 @@ def parse(
     need = len(prompt) + r.max_new_tokens + most + 1
     require(
         need <= room,
-        "max_new_tokens",
+        # The prompt's field when it leaves no room for even one token.
+        kind if need - r.max_new_tokens + 1 > room else "max_new_tokens",
         f"the model's {CONTEXT_LENGTH} is {room} tokens, and the prompt ({len(prompt)}) + "
         f"max_new_tokens ({r.max_new_tokens}) + gamma + 1 (a speculative step's room) "
         "exceeds it",

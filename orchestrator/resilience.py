@@ -31,6 +31,7 @@ from specdec.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
+    ResourceExhausted,
     SessionLost,
     SpecdecError,
     Unavailable,
@@ -277,7 +278,9 @@ class DraftLink(_Link):
             self.replica.address if self.replica else "?",
             reason,
         )
-        if isinstance(e, Internal):  # this request's own failure: back off this request
+        # This request's own failure (a NaN in its logits), or the replica is full (at
+        # max_sessions: it is up, and serves the others): back off this request.
+        if isinstance(e, (Internal, ResourceExhausted)):
             self.own_failures += 1
             self.skip_steps = min(1 << (self.own_failures - 1), MAX_OWN_BACKOFF)
             self.skip_reason = reason
@@ -323,13 +326,18 @@ class TargetLink(_Link):
 
     async def open(self) -> None:
         """Pin the least-loaded replica and prefill; a new request fails fast (after
-        trying every replica once, those behind an open breaker last)."""
+        trying every replica once, those behind an open breaker last). A replica at
+        its ``max_sessions`` is up: the next one is tried, and if every one is full
+        the request ends with RESOURCE_EXHAUSTED."""
         tried: set[str] = set()
+        full: ResourceExhausted | None = None
         while True:
             replica = self.pool.pick(model=self.model)
             if replica is None or replica.address in tried:
                 replica = self.pool.pick_trial(tried, self.model)
             if replica is None:
+                if full is not None:
+                    raise full
                 raise Unavailable(f"target: no healthy replica at {self.pool.spec}")
             tried.add(replica.address)
             self.pin(replica)
@@ -342,6 +350,11 @@ class TargetLink(_Link):
                 # reset): an outage either way.
                 self._outage()
                 self.drop_session()
+                continue
+            except ResourceExhausted as e:
+                self._success()  # it answered: up, and full
+                self.drop_session()
+                full = e
                 continue
             self._success()
             # From its first token on, the request stays on this model.
@@ -395,6 +408,13 @@ class TargetLink(_Link):
             except SessionLost as e:
                 log.warning("target lost session %s (%s): re-prefilling", self.session_id, e)
                 self.drop_session()
+            except ResourceExhausted:
+                # Re-opening (after a restart) found the replica full: another replica
+                # of the model may have room; its breaker is no business of this.
+                self._success()
+                if self.budget.passed() or time.monotonic() > retry_until:
+                    raise
+                self._fail_over(outage=False)
             except DeadlineExceeded as e:
                 if self.budget.passed(_DEADLINE_SLACK_S):
                     raise
@@ -432,12 +452,13 @@ class TargetLink(_Link):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _fail_over(self) -> bool:
-        """The pinned replica failed: count it against its breaker, drop the session,
-        and pin another replica of the same model if there is one (re-prefilled from
-        the history on the next call; one behind an open breaker too, as a trial).
-        Returns whether it moved."""
-        self._outage()
+    def _fail_over(self, outage: bool = True) -> bool:
+        """The pinned replica failed (``outage``: count it against its breaker), drop
+        the session, and pin another replica of the same model if there is one
+        (re-prefilled from the history on the next call; one behind an open breaker
+        too, as a trial). Returns whether it moved."""
+        if outage:
+            self._outage()
         self.drop_session()
         other = self.pool.pick(exclude=self.replica, model=self.model)
         if other is None:

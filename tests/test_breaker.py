@@ -13,7 +13,7 @@ import asyncio
 from orchestrator.breaker import CircuitBreaker
 from orchestrator.replicas import ReplicaPool
 from orchestrator.resilience import Budget, DraftLink
-from specdec.errors import DeadlineExceeded
+from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams
 
@@ -42,6 +42,7 @@ class FakeDraft:
     def __init__(self, address: str) -> None:
         self.address = address
         self.hung = True
+        self.full = False  # at max_sessions: opens are refused
         self.opens = 0
 
     async def info(self, timeout):
@@ -49,6 +50,8 @@ class FakeDraft:
 
     async def open(self, session_id, tokens, params, shape, timeout, counter=None):
         self.opens += 1
+        if self.full:
+            raise ResourceExhausted("sessions: the limit of 1 live sessions is reached")
         if self.hung:
             await asyncio.sleep(timeout)
             raise DeadlineExceeded(f"draft: no answer within {timeout:.3g} s")
@@ -128,5 +131,27 @@ def test_a_trial_whose_request_is_cancelled_is_given_back():
         pool.replicas["d:1"].port.hung = False
         assert await other.propose(4, seed=1) == "a proposal" and breaker.closed
         await other.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_draft_is_no_outage():
+    """A draft at its max_sessions is up and serves the others: a request it refuses
+    backs off its own speculation, and the breaker the others share stays closed.
+    (Before, it opened, and speculation stopped for every request.)"""
+
+    async def scenario():
+        pool = ReplicaPool("draft", "d:1", FakeDraft, retry_after_s=0.05, retry_max_s=1.0)
+        await pool.refresh()
+        port = pool.replicas["d:1"].port
+        port.hung, port.full = False, True
+        (refused, other), fallbacks = _links(pool, 2)
+        assert await refused.propose(4, seed=1) is None
+        assert pool.replicas["d:1"].breaker.closed and refused.skip_steps > 0
+        port.full = False
+        assert await other.propose(4, seed=1) == "a proposal"
+        assert fallbacks == ["resourceexhausted"]
+        for link in (refused, other):
+            await link.close()
 
     asyncio.run(scenario())

@@ -18,7 +18,7 @@ import pytest
 from benchmarks.chaos import print_report, run_chaos
 from orchestrator.replicas import ReplicaPool
 from orchestrator.resilience import Budget, TargetLink
-from specdec.errors import DeadlineExceeded, Unavailable
+from specdec.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from specdec.runtime.loading import ModelInfo
 from specdec.sampling import SamplingParams, Verdict
 
@@ -70,12 +70,15 @@ class FakeTarget:
         self.address = address
         self.up = True
         self.hung = False  # answers nothing: every call times out (DeadlineExceeded)
+        self.full = False  # at max_sessions: opens are refused (ResourceExhausted)
 
     async def info(self, timeout):
         return ModelInfo("m", 47, "tok", "float32", "cpu", "X", (), 64, "fp", "0", 2)
 
     async def open(self, session_id, tokens, params, timeout, counter=None):
         await self.answer(timeout)
+        if self.full:
+            raise ResourceExhausted("sessions: the limit of 1 live sessions is reached")
         return FakeSession(self)
 
     async def answer(self, timeout) -> None:
@@ -181,5 +184,34 @@ def test_a_request_on_a_hung_target_moves_to_another_and_opens_its_breaker():
         pool.replicas["b:2"].port.hung = True  # and now b hangs too
         with pytest.raises(Unavailable, match="no other replica"):
             await link.verify(None, seed=2, dense_p=False)
+
+    asyncio.run(scenario())
+
+
+def test_a_full_target_replica_leaves_the_request_to_another():
+    """A replica at its max_sessions (several orchestrators share the targets) is up:
+    a new request goes to another replica, and so does one re-opening its session
+    after a restart; its breaker stays closed; with every replica full the request
+    ends with RESOURCE_EXHAUSTED. (Before, the request failed at once, though
+    another replica had room.)"""
+
+    async def scenario():
+        pool = await _pool_after_an_outage_of("b:2", in_flight=0)
+        pool.replicas["a:1"].port.full = True
+        link = _link(pool)
+        await link.open()
+        assert link.replica.address == "b:2"
+        pool.replicas["a:1"].port.full = False
+        moved = _link(pool)
+        await moved.open()
+        assert moved.replica.address == "a:1"
+        pool.replicas["a:1"].port.full = True
+        moved.drop_session()  # its session was lost (a restart): it re-opens on a full a
+        await moved.verify(None, seed=1, dense_p=False)
+        assert moved.replica.address == "b:2"
+        assert all(r.breaker.closed for r in pool.replicas.values())
+        pool.replicas["b:2"].port.full = True
+        with pytest.raises(ResourceExhausted):
+            await _link(pool).open()
 
     asyncio.run(scenario())

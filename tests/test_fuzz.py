@@ -1252,5 +1252,8 @@ def test_no_session_outgrows_the_models_positions(gpt2_stack):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(r, timeout=TIMEOUT))
     assert err.value.code() == INVALID, err.value.details()
+    # The prompt alone leaves no room: its field is named, not max_new_tokens.
+    assert err.value.details().startswith("token_ids: "), err.value.details()
+    assert "maximum context length is 1024 tokens" in err.value.details()
     ids, _, stats = stack.generate_raw(prompt="fine", max_new_tokens=4, temperature=0.0)
     assert stats.generated_tokens == len(ids) == 4
