@@ -393,6 +393,7 @@ class TargetLink(_Link):
         hung: set[str] = set()  # replicas that let a call of this one time out
         while True:
             relayed = bool(follow) or (proposal is not None and proposal.relayed)
+            opening = self.session is None
             try:
                 if self.session is None:
                     await self._open()
@@ -409,12 +410,14 @@ class TargetLink(_Link):
                 log.warning("target lost session %s (%s): re-prefilling", self.session_id, e)
                 self.drop_session()
             except ResourceExhausted:
-                # Re-opening (after a restart) found the replica full: another replica
-                # of the model may have room; its breaker is no business of this.
+                # Up, but short of room; its breaker is no business of this. Re-opening
+                # (after a restart) found it full: another replica of the model may
+                # have some. A pass ran out of memory: the same session, after a wait.
                 self._success()
                 if self.budget.passed() or time.monotonic() > retry_until:
                     raise
-                self._fail_over(outage=False)
+                if opening:
+                    self._fail_over(outage=False)
             except DeadlineExceeded as e:
                 if self.budget.passed(_DEADLINE_SLACK_S):
                     raise

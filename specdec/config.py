@@ -466,6 +466,9 @@ SECTIONS = ("draft", "target", "orchestrator", "gateway")
 # The shortest keepalive a client may use: the servers accept a ping a second at most
 # (``specdec.transport.server``).
 MIN_KEEPALIVE_S = 1.0
+# The most ``keep_freed_mb`` can be: glibc's trim threshold is an int of bytes
+# (2048 MB wraps negative, which turns trimming off; 4096 wraps to 0).
+MAX_KEEP_FREED_MB = (2**31 - 1) >> 20
 
 
 def _validate(cfg: Config) -> None:
@@ -495,6 +498,10 @@ def _validate(cfg: Config) -> None:
     if cfg.target.lookahead_tokens > MAX_GAMMA:
         got = cfg.target.lookahead_tokens
         raise ConfigError(f"target.lookahead_tokens: must be <= {MAX_GAMMA}, got {got}")
+    for section in ("draft", "target"):
+        got = getattr(cfg, section).keep_freed_mb
+        if got > MAX_KEEP_FREED_MB:  # (glibc takes the threshold as a C int of bytes)
+            raise ConfigError(f"{section}.keep_freed_mb: must be <= {MAX_KEEP_FREED_MB}, got {got}")
     for section in ("gateway", "orchestrator"):
         keepalive_s = getattr(cfg, section).keepalive_s
         if keepalive_s < MIN_KEEPALIVE_S:

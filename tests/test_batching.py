@@ -468,3 +468,89 @@ def test_a_session_keeps_no_other_sessions_logits_after_a_shared_pass(llama_pair
     for rows in shared:
         assert rows.untyped_storage().nbytes() == rows.nbytes, "a shared pass kept alive"
     assert last_sessions == 1 and own.shape[0] == 2  # a pass of its own: kept whole
+
+
+def test_a_long_feed_cut_into_chunks_keeps_the_positions_it_wants_logits_of(llama_pair):
+    """A feed longer than the batch budget runs in chunks. A long one that wants
+    logits (a Verify of many pending tokens and a draft, sent by a direct client of
+    the target's API) was cut at the budget, so its last chunk could hold fewer
+    positions than it wanted logits of, and the runner took the rows before it:
+    other tokens' logits, silently. Now the rest always holds them, and the runner
+    refuses a feed that wants more logits than it has tokens."""
+    import asyncio
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+    tokens = [(7 * i) % 40 + 3 for i in range(67)]  # 63 pending + 4 drafts
+
+    def job(kv):
+        return (yield Feed(kv, tokens, 5))
+
+    async def logits(budget: int) -> torch.Tensor:
+        loop = ForwardLoop(runner, budget, None)
+        loop.start()
+        try:
+            return await loop.run(job(SessionKV()))
+        finally:
+            await loop.aclose()
+
+    whole, cut = asyncio.run(logits(512)), asyncio.run(logits(64))
+    assert whole.shape == cut.shape == (5, whole.shape[-1])
+    torch.testing.assert_close(cut, whole, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cannot want 3 logits"):
+        runner.forward([Feed(SessionKV(), [5, 6], 3)])
+
+
+def test_a_forward_that_fails_fails_only_the_job_that_fails_alone(llama_pair):
+    """A shared forward that fails (out of device memory, say) runs each of its jobs
+    again alone: the others finish as if nothing happened, and only the job whose
+    feed fails alone fails, out of memory as ResourceExhausted (a retry may
+    succeed later). Nothing of the failed pass outlives it: its tensors are freed at
+    once, not when the garbage collector finds the cycle through the exception's
+    traceback. (Before, every job in that forward failed, with INTERNAL, and the
+    tensors stayed until a collection.)"""
+    import asyncio
+    import gc
+    import weakref
+
+    from specdec.errors import ResourceExhausted
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+    poison, other = SessionKV(), SessionKV()
+    held: list[weakref.ref] = []
+
+    class Poisoned:
+        def forward(self, feeds):
+            if any(f.kv is poison for f in feeds):
+                allocated = torch.zeros(1 << 20)  # what the failed pass held
+                held.append(weakref.ref(allocated))
+                raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+            return runner.forward(feeds)
+
+    def job(kv, n):
+        for _ in range(n):
+            yield Feed(kv, [5], 1)
+        return kv.length
+
+    async def main():
+        loop = ForwardLoop(Poisoned(), 512, None)
+        loop.start()
+        try:
+            jobs = [loop.run(job(kv, 3)) for kv in (poison, other)]
+            return await asyncio.gather(*jobs, return_exceptions=True)
+        finally:
+            await loop.aclose()
+
+    gc.disable()
+    try:
+        failed, done = asyncio.run(main())
+        alive = [ref() is not None for ref in held]
+    finally:
+        gc.enable()
+    assert isinstance(failed, ResourceExhausted) and "out of memory" in str(failed), failed
+    assert done == 3 and poison.length == 0
+    assert len(held) == 2 and not any(alive), alive  # shared, then alone

@@ -71,6 +71,7 @@ class FakeTarget:
         self.up = True
         self.hung = False  # answers nothing: every call times out (DeadlineExceeded)
         self.full = False  # at max_sessions: opens are refused (ResourceExhausted)
+        self.out_of_memory = 0  # the next this many verifies run out of device memory
 
     async def info(self, timeout):
         return ModelInfo("m", 47, "tok", "float32", "cpu", "X", (), 64, "fp", "0", 2)
@@ -98,6 +99,9 @@ class FakeSession:
 
     async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1, follow=()):
         await self.port.answer(timeout)
+        if self.port.out_of_memory:
+            self.port.out_of_memory -= 1
+            raise ResourceExhausted("memory: the device ran out of memory in a forward")
         return Verdict([], [], [], 1, cache_len=cursor.end)
 
     async def close(self) -> None:
@@ -213,5 +217,26 @@ def test_a_full_target_replica_leaves_the_request_to_another():
         pool.replicas["b:2"].port.full = True
         with pytest.raises(ResourceExhausted):
             await _link(pool).open()
+
+    asyncio.run(scenario())
+
+
+def test_a_pass_out_of_memory_is_retried_on_the_same_session():
+    """A target pass that ran out of device memory (the forward loop's
+    ResourceExhausted) is retried after a wait on the same session, not re-opened
+    elsewhere, and counts nothing against the replica's breaker."""
+
+    async def scenario():
+        pool = await _pool_after_an_outage_of("b:2", in_flight=0)
+        link = _link(pool)
+        await link.open()
+        session, replica = link.session, link.replica
+        replica.port.out_of_memory = 2
+        await link.verify(None, seed=1, dense_p=False)
+        assert link.session is session and link.replica is replica
+        assert replica.breaker.closed and replica.port.out_of_memory == 0
+        replica.port.out_of_memory = 1000  # for longer than target_retry_s
+        with pytest.raises(ResourceExhausted):
+            await link.verify(None, seed=2, dense_p=False)
 
     asyncio.run(scenario())

@@ -31,6 +31,13 @@ after the draft's work, which the loop should not sit through. Jobs of a
 ``BACKGROUND`` kind (the draft's guesses: work nobody waits for yet) are never
 waited for, and never wait for others.
 
+A forward that fails (out of device memory, say) fails no job outright when
+it carried several sessions: each of its jobs is run again alone, so that only
+a job that fails alone fails. A session's cache grows only when a forward
+succeeds, so running a feed again is safe. Running out of device memory is
+``ResourceExhausted`` to the job (a caller may retry later), anything else the
+exception itself.
+
 Not for: what jobs compute (the draft and target services write them).
 """
 
@@ -46,7 +53,7 @@ from typing import Any
 import torch
 
 from specdec import tracing
-from specdec.errors import Internal
+from specdec.errors import Internal, ResourceExhausted
 
 from .ragged import Feed, RaggedRunner
 
@@ -67,6 +74,7 @@ class _Pending:
     arrived: float = field(default_factory=time.perf_counter)
     kind: str = "step"
     waited: bool = False  # its first forward has run (queue wait recorded)
+    alone: bool = False  # its next feed runs in a forward of its own (a shared one failed)
     key: int = 0  # id of its session's cache (its key in ``ForwardLoop._waiting``)
 
 
@@ -178,7 +186,8 @@ class ForwardLoop:
                 except Exception as e:  # a fault outside the jobs: theirs, not the loop's
                     log.exception("forward loop: a forward failed")
                     for p, _ in batch:
-                        self._finish(p, error=e)
+                        self._finish(p, error=_bare(e))
+            batch = None  # (nothing of a forward outlives it while the loop waits)
 
     async def _gather(self) -> None:
         """Wait for the sessions that left the last forwards to come back, at most
@@ -201,8 +210,12 @@ class ForwardLoop:
         # Callers cancelled that have not resumed yet: none of their feeds runs after it.
         self._drop_cancelled()
         budget = self.max_batch_tokens
-        short = [p for p in self._waiting.values() if len(p.feed.tokens) <= LONG_FEED]
-        long = [p for p in self._waiting.values() if len(p.feed.tokens) > LONG_FEED]
+        waiting = list(self._waiting.values())
+        alone = next((p for p in waiting if p.alone), None)
+        if alone is not None:  # after a shared forward failed: one job at a time
+            waiting = [alone]
+        short = [p for p in waiting if len(p.feed.tokens) <= LONG_FEED]
+        long = [p for p in waiting if len(p.feed.tokens) > LONG_FEED]
         chosen: list[tuple[_Pending, Feed]] = []
         if long:  # the oldest prefill always progresses
             budget -= min(len(long[0].feed.tokens), max(1, self.max_batch_tokens // 4))
@@ -217,11 +230,15 @@ class ForwardLoop:
             if budget <= 0:
                 break
             n = len(p.feed.tokens)
-            if n <= budget:
+            # A chunk now and the rest later, the rest holding every position it wants
+            # logits of; a feed that wants them all runs whole.
+            cut = min(budget, n - p.feed.logits)
+            if n <= budget or cut <= 0:
                 chosen.append((p, p.feed))
-            else:  # a chunk now, the rest (with the logits it wants) later
-                chosen.append((p, Feed(p.feed.kv, p.feed.tokens[:budget], 0)))
-            budget -= min(n, budget)
+                budget -= n
+            else:
+                chosen.append((p, Feed(p.feed.kv, p.feed.tokens[:cut], 0)))
+                budget -= cut
         return chosen
 
     def _forward(self, batch: list[tuple[_Pending, Feed]]) -> None:
@@ -236,10 +253,29 @@ class ForwardLoop:
             logits = self.runner.forward([feed for _, feed in batch])
             if logits and logits[0].is_cuda:  # time the work, not the launch
                 torch.cuda.synchronize(logits[0].device)  # (where a device fault shows)
-        except Exception as e:  # the whole forward failed: so does every job in it
-            for p, _ in batch:
-                self._finish(p, error=e)
+        except Exception as e:
+            if len(batch) > 1:  # which job's feed failed it? each runs again, alone
+                log.warning(
+                    "forward loop: a forward of %d sessions failed (%s: %s); running "
+                    "each again alone",
+                    len(batch),
+                    type(e).__name__,
+                    str(e),  # (a record holding the exception would hold its frames)
+                )
+                for p, _ in batch:
+                    p.alone = True
+                return
+            log.warning(
+                "forward loop: a forward failed: %s: %s",
+                type(e).__name__,
+                str(e),
+                exc_info=not isinstance(e, torch.OutOfMemoryError),
+            )
+            for p, _ in batch:  # alone: this job's own failure
+                self._finish(p, error=_bare(e))
             return
+        for p, _ in batch:
+            p.alone = False
         seconds = time.perf_counter() - start
         tracing.mark("forward_end")
         self.last_batch = stats = BatchStats(
@@ -276,6 +312,7 @@ class ForwardLoop:
             self._waiting.pop(key).job.close()
 
     def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        p.alone = False
         if self._waiting.get(p.key) is p:
             del self._waiting[p.key]
         if p.future.done():
@@ -284,3 +321,13 @@ class ForwardLoop:
             p.future.set_exception(error)
         else:
             p.future.set_result(result)
+
+
+def _bare(e: BaseException) -> BaseException:
+    """What a job's caller gets for a forward's failure: out of device memory is
+    ResourceExhausted (worth a retry later); and no traceback, whose frames would
+    hold the failed forward's tensors until the garbage collector found the cycle
+    (exception, frame, batch, future, exception)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return ResourceExhausted(f"memory: the device ran out of memory in a forward ({e})")
+    return e.with_traceback(None)

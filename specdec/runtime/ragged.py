@@ -434,6 +434,8 @@ class RaggedRunner:
         segments = []
         for f in feeds:
             start, past, new = len(tokens), f.kv.length, len(f.tokens)
+            if not 0 <= f.logits <= new:  # (its rows would be another feed's)
+                raise ValueError(f"a feed of {new} tokens cannot want {f.logits} logits")
             tokens += f.tokens
             positions += range(past, past + new)
             keep += range(start + new - f.logits, start + new)
