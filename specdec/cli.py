@@ -95,6 +95,10 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         await gateway_until_signal(gateway, section.grace_period_s)
         return
     tracing.start(role)  # a step timeline (benchmarks.timeline), only with SPECDEC_TRACE_DIR
+    # /metrics answers from the start, while a model loads (minutes on a GPU) or the
+    # orchestrator waits for the services: Prometheus scrapes pods before they are
+    # ready, and a refused scrape is `up == 0`, which SpecdecServiceDown pages on.
+    metrics.serve_metrics(role, section.metrics_port, section.host)
     if role in ("draft", "target"):
         from specdec.runtime.memory import keep_freed
 
@@ -111,7 +115,6 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         from orchestrator.servicer import serve
 
         running, domain = await serve(cfg)
-    metrics.serve_metrics(role, section.metrics_port, section.host)
     log.info(
         "%s serving on %s:%d (metrics :%d)", role, section.host, running.port, section.metrics_port
     )

@@ -492,3 +492,32 @@ def test_gpu_scheduling(objs, overlay):
     for comp in ("orchestrator", "gateway"):
         for c in _pod_spec(deps[comp])["containers"]:
             assert "nvidia.com/gpu" not in c["resources"]["limits"], f"{comp} needs no GPU"
+
+
+def test_startup_budgets_outlast_what_each_pod_waits_for(objs):
+    """The orchestrator serves once a draft and a target answer: its connect_timeout_s
+    must outlast their startup budgets (or it exits and crash-loops while a GPU
+    model loads), and its own startup probe must outlast connect_timeout_s (or it
+    is killed while it waits)."""
+    cfg = _configs(objs)
+    deps = _deployments(objs)
+
+    def budget(comp: str) -> float:
+        probe = _pod_spec(deps[comp])["containers"][0]["startupProbe"]
+        return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+    connect = float(cfg["orchestrator"].get("connect_timeout_s", 120))
+    services = max(budget("draft"), budget("target"))
+    assert connect >= services, f"connect_timeout_s {connect} < the services' startup {services}"
+    assert budget("orchestrator") > connect, (budget("orchestrator"), connect)
+
+
+def test_gpu_rollouts_need_no_spare_gpu(objs, overlay):
+    """A pool with one GPU per pod has none for a surge pod: draft and target roll
+    by replacing a pod in place (the PodDisruptionBudget allows one down)."""
+    if overlay != "gpu":
+        return
+    deps = _deployments(objs)
+    for comp in ("draft", "target"):
+        rolling = deps[comp]["spec"]["strategy"]["rollingUpdate"]
+        assert rolling == {"maxSurge": 0, "maxUnavailable": 1}, (comp, rolling)

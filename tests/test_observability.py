@@ -611,3 +611,42 @@ def test_dashboard_and_rules_return_data_from_a_live_stack(tmp_path):
                 )
         finally:
             prom.stop()
+
+
+def test_metrics_answer_while_the_orchestrator_waits_for_the_services(tmp_path):
+    """Prometheus scrapes pods before they are ready: /metrics answers from the
+    start (a refused scrape is `up == 0`, which SpecdecServiceDown pages on), here
+    while the orchestrator waits for a target nobody serves."""
+    import signal
+
+    from specdec.local.stack import spawn
+
+    port, metrics_port = free_port(), free_port()
+    overrides = [
+        "draft.model=unused",
+        "target.model=unused",
+        f"orchestrator.port={port}",
+        f"orchestrator.metrics_port={metrics_port}",
+        f"orchestrator.target_address=127.0.0.1:{free_port()}",
+        f"orchestrator.draft_address=127.0.0.1:{free_port()}",
+        "orchestrator.connect_timeout_s=60",
+    ]
+    with open(tmp_path / "orchestrator.log", "wb") as out:
+        proc = spawn("orchestrator", None, overrides, out=out)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                url = f"http://127.0.0.1:{metrics_port}/metrics"
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    text = r.read().decode()
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()
+                assert time.monotonic() < deadline, "no /metrics while connecting"
+                time.sleep(0.2)
+        assert "specdec_live_requests" in text
+        assert proc.poll() is None  # still waiting for the services
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
