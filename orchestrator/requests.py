@@ -95,7 +95,10 @@ def parse(
     temperature = r.temperature
     if 0 < temperature < MIN_TEMPERATURE:
         temperature = 0.0  # a vanishing temperature is greedy decoding (and 1e-38 would overflow)
-    params = check_params(temperature, r.top_k, r.top_p)
+    # A top_k of the whole vocabulary or more removes nothing: it is no top-k (so the
+    # draft sends q with its tail, and acceptance does not drop for nothing).
+    top_k = r.top_k if r.top_k < target.vocab_size else 0
+    params = check_params(temperature, top_k, r.top_p)
     gamma: int | None = r.gamma if r.HasField("gamma") else None
     if gamma is None and (not o.adaptive_gamma or r.HasField("seed")):
         # A seeded request must give the same output every time: the adaptive choice

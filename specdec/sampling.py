@@ -107,33 +107,46 @@ def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     32,000 / 151,936 tokens.
     """
     if not _numpy_reads(scores):
-        sorted_scores, order = torch.sort(scores, dim=-1)  # ascending
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum <= (1.0 - top_p)
-        remove_sorted[..., -1] = False  # the most likely token always stays
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        return scores.masked_fill(remove, float("-inf"))
+        return _nucleus_by_sort(scores, top_p)
     vocab = scores.shape[-1]
     z = scores.detach().reshape(-1, vocab)
     probs = z.softmax(dim=-1).numpy()  # [rows, vocab]
     z = z.numpy()
     out = np.full_like(z, -np.inf)
     for r, row in enumerate(probs):
-        kept = _nucleus_ids(row, top_p)
-        out[r, kept] = z[r, kept]
+        kept = _nucleus_ids(z[r], row, top_p)
+        if kept is None:  # equal scores across the cut: whichever transformers keeps
+            out[r] = _nucleus_by_sort(torch.from_numpy(z[r : r + 1]), top_p).numpy()[0]
+        else:
+            out[r, kept] = z[r, kept]
     return torch.from_numpy(out).reshape(scores.shape)
 
 
-def _nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
-    """The tokens top-p keeps, for one row of probabilities: [vocab] -> [kept].
+def _nucleus_by_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``_nucleus`` as transformers computes it: the whole vocabulary sorted. Of
+    tokens with equal scores, the one it keeps is the one ``torch.sort`` places
+    last; this is the same call on the same values."""
+    sorted_scores, order = torch.sort(scores, dim=-1)  # ascending
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cum <= (1.0 - top_p)
+    remove_sorted[..., -1] = False  # the most likely token always stays
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+def _nucleus_ids(z: np.ndarray, p: np.ndarray, top_p: float) -> np.ndarray | None:
+    """The tokens top-p keeps, for one row of scores and their probabilities:
+    [vocab] -> [kept]; None where tokens of equal score lie on both sides of the
+    cut (which of them stays is up to the order ``torch.sort`` leaves ties in: the
+    caller asks it, ``_nucleus_by_sort``; with bfloat16 logits such ties are common).
 
     The nucleus is usually a small part of the vocabulary: the 256 most likely
     tokens (``_most_likely``, in no order), four times as many while their mass
     falls short of top_p, every possible token (p > 0: after top-k, only those it
-    kept) from a quarter of them on. Only those are sorted, with the mass above
-    each summed in float64. (A token whose mass above sits within float rounding
-    of top_p may fall on either side, as the two ways of summing round
-    differently.)
+    kept) from a quarter of them on. Only those are sorted, by score as
+    transformers sorts, with the mass above each summed in float64. (A token
+    whose mass above sits within float rounding of top_p may fall on either
+    side, as the two ways of summing round differently.)
     """
     vocab = len(p)
     possible = np.count_nonzero(p)
@@ -145,9 +158,16 @@ def _nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
         c *= 4
     else:  # all of them; after top-k, only the tokens it kept
         ids = np.flatnonzero(p) if 2 * possible < vocab else np.arange(vocab)
-    ids = ids[np.argsort(-p[ids], kind="stable")]  # most likely first
+    ids = ids[np.argsort(-z[ids], kind="stable")]  # most likely first
     mass = p[ids].astype(np.float64)
-    return ids[np.cumsum(mass) - mass < top_p]  # the mass above each, against top_p
+    n = int(np.count_nonzero(np.cumsum(mass) - mass < top_p))  # mass above each < top_p
+    last = z[ids[n - 1]]
+    if n < len(ids):
+        if z[ids[n]] == last:  # a tie across the cut
+            return None
+    elif len(ids) < vocab and np.count_nonzero(z == last) > np.count_nonzero(z[ids] == last):
+        return None  # every candidate kept, and one left out ties with the last
+    return ids[:n]
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

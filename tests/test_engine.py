@@ -365,3 +365,26 @@ def test_queued_requests_leave_the_queue_when_cancelled_or_out_of_time(llama_pai
 
     out_of_time, live, queued = asyncio.run(scenario())
     assert out_of_time < 2.0 and live == 0 and queued == 0, (out_of_time, live, queued)
+
+
+def test_a_top_k_of_the_whole_vocabulary_is_no_top_k(llama_pair):
+    """top_k at or above the vocabulary removes nothing: the request runs as top_k 0
+    (so the draft sends q with its tail; before, it went without, and acceptance
+    dropped for nothing), and a seeded request's output is the same."""
+    from orchestrator.requests import parse
+    from specdec.v1 import orchestrator_pb2
+
+    draft, target = llama_pair
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            o = system.orch
+            req = orchestrator_pb2.GenerateRequest(text="x", max_new_tokens=4, top_k=10**6)
+            spec = parse(req, o.cfg.orchestrator, o.tokenizer, o.target_info, o.draft_info, 1 << 20)
+            common = dict(prompt="k", max_new_tokens=16, temperature=1.0, gamma=3, seed=5)
+            wide, _, _ = await system.generate(**common, top_k=o.target_info.vocab_size)
+            none, _, _ = await system.generate(**common, top_k=0)
+            return spec.params.top_k, wide, none
+
+    top_k, wide, none = asyncio.run(scenario())
+    assert top_k == 0 and wide == none

@@ -124,6 +124,31 @@ def test_top_k_and_top_p_keep_what_transformers_keeps(vocab, top_k):
             assert len(differ) <= 2, (scale, top_p)
 
 
+@pytest.mark.parametrize("vocab", [100, 4096, 32000])
+def test_top_p_keeps_the_tied_token_transformers_keeps(vocab):
+    """Tokens of equal score on both sides of top-p's cut: transformers keeps the one
+    ``torch.sort`` places last, and so does the CPU's top-p now (before, its own
+    stable order kept the lowest id: another token than ``generate()`` samples, and
+    another than on a GPU). With bfloat16 logits such ties are common: at 32,000
+    tokens and top_p 0.9, most rows had one."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(vocab)
+    tied = torch.full((1, vocab), -5.0)
+    tied[0, :2] = 20.0  # two equal, far above the rest
+    rows = [tied, (torch.randn(8, vocab, generator=g) * 3).bfloat16().float()]
+    for logits in rows:
+        for top_p in (1e-9, 0.3, 0.5, 0.9):
+            params = SamplingParams(1.0, top_p=top_p)
+            ours = torch.isinf(sampling.warp_logits(logits, params))
+            ref = torch.isinf(TopPLogitsWarper(top_p)(None, logits))
+            for row, token in torch.nonzero(ours != ref).tolist():  # within rounding only
+                ranked, order = torch.sort(logits[row])
+                cum = ranked.softmax(-1).double().cumsum(-1)
+                at = int(torch.nonzero(order == token)[0])
+                assert abs(float(cum[at]) - (1 - top_p)) < 1e-6, (top_p, row, token)
+
+
 def test_greedy_is_one_hot_argmax():
     logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 0.0]])
     probs = probs_from_logits(logits, SamplingParams(temperature=0.0))
