@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (readiness:
 200 while the orchestrator answers SERVING and the gateway is not draining,
-else 503) and ``GET /health/live`` (liveness: 200 while the process serves HTTP).
+else 503) and ``GET /health/live`` (liveness: 200 while the process serves HTTP, draining
+included).
 
 Four middlewares, outermost first: ``observe`` (the gateway's metrics),
 ``openai_errors`` (every error as OpenAI's error JSON: ``ApiError``, aiohttp's

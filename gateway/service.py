@@ -4,10 +4,12 @@
 when ``gateway.tls.cert`` is set (and demands client certificates when
 ``gateway.tls.ca`` is set, as the gRPC services do). It does not wait for the
 orchestrator: ``/health`` says 503 until the orchestrator answers SERVING, so
-the gateway can start first. ``serve_until_signal`` turns ``/health`` to 503,
-stops accepting connections, lets requests in flight finish for at most
-``gateway.grace_period_s``, then cancels the rest (which cancels their gRPC
-calls) and closes the channel.
+the gateway can start first. ``serve_until_signal`` turns ``/health`` to 503
+and new requests away (503), lets requests in flight finish for at most
+``gateway.grace_period_s``, then stops listening, cancels the rest (which
+cancels their gRPC calls) and closes the channel. While it drains it still
+listens, and ``/health/live`` says 200: a liveness probe that failed during a
+long drain would have the container killed before its streams finish.
 
 Not for: routes (``app``).
 """
@@ -65,8 +67,9 @@ async def serve(cfg: Config) -> RunningGateway:
         # A client that disconnects cancels its handler, and so its gRPC call.
         handler_cancellation=True,
         access_log=None,
-        # aiohttp reads 0 as "no limit": a grace period of 0 means (almost) none.
-        shutdown_timeout=max(g.grace_period_s, 0.01),
+        # What is left once the drain (serve_until_signal) is over gets (almost) no
+        # more time: aiohttp reads 0 as "no limit".
+        shutdown_timeout=0.01,
     )
     await runner.setup()
     site = web.TCPSite(runner, g.host, g.port, ssl_context=server_ssl_context(g.tls))
@@ -91,7 +94,13 @@ async def serve_until_signal(running: RunningGateway, grace_s: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received: draining %d request(s) for up to %.1fs", running.state.live, grace_s)
-    running.state.draining = True
-    await running.runner.cleanup()  # waits up to shutdown_timeout = grace_s
+    state = running.state
+    state.draining = True
+    deadline = loop.time() + grace_s
+    while state.live > 0 and loop.time() < deadline:  # (the probes' own requests are short)
+        await asyncio.sleep(0.05)
+    if state.live:
+        log.warning("grace period over with %d request(s) in flight; stopping", state.live)
+    await running.runner.cleanup()
     await running.state.upstream.aclose()
     log.info("stopped")

@@ -521,3 +521,16 @@ def test_gpu_rollouts_need_no_spare_gpu(objs, overlay):
     for comp in ("draft", "target"):
         rolling = deps[comp]["spec"]["strategy"]["rollingUpdate"]
         assert rolling == {"maxSurge": 0, "maxUnavailable": 1}, (comp, rolling)
+
+
+def test_liveness_probes_ask_what_stays_up_while_draining(objs):
+    """Readiness may turn down on SIGTERM; liveness must not, or a long drain is cut
+    short by the kubelet: the gRPC services' liveness asks Health's "liveness"
+    (SERVING while the process serves), the gateway's /health/live."""
+    for comp, d in _deployments(objs).items():
+        (c,) = _pod_spec(d)["containers"]
+        probe = c["livenessProbe"]
+        if comp == "gateway":
+            assert probe["httpGet"]["path"] == "/health/live", probe
+        else:
+            assert probe["grpc"].get("service") == "liveness", (comp, probe)

@@ -253,3 +253,32 @@ def test_a_connection_dying_mid_stream_counts_as_a_lost_peer(details, expected):
         grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details
     )
     assert type(error_of(e, "target")).__name__ == expected
+
+
+def test_liveness_stays_serving_while_a_service_drains():
+    """The health service's "liveness" name (what the manifests' liveness probes ask)
+    stays SERVING when SIGTERM turns the others NOT_SERVING: a liveness probe that
+    failed during a drain would have the container killed before its work is done."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    from specdec.transport.server import Health
+
+    async def statuses() -> dict[str, int]:
+        health = Health()
+        await health.set("specdec.v1.Orchestrator", health_pb2.HealthCheckResponse.SERVING)
+        await health.enter_graceful_shutdown()
+        await health.set(Health.LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)  # ignored
+        names = ("", "specdec.v1.Orchestrator", Health.LIVENESS)
+        return {
+            n: (await health.Check(health_pb2.HealthCheckRequest(service=n), None)).status
+            for n in names
+        }
+
+    got = asyncio.run(statuses())
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    assert got == {"": not_serving, "specdec.v1.Orchestrator": not_serving, "liveness": serving}

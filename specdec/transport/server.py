@@ -219,8 +219,16 @@ class Health(health_pb2_grpc.HealthServicer):
     leaves, so a client holding one, as gRPC's client-side health checking does,
     made a draining service wait out its whole grace period.)"""
 
+    # Always SERVING while the process serves, draining included: what liveness
+    # probes ask (one that failed during a drain would have the container killed
+    # before its work is done). Readiness asks "" (or a service's name).
+    LIVENESS = "liveness"
+
     def __init__(self) -> None:
-        self._status = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._status = {
+            "": health_pb2.HealthCheckResponse.SERVING,
+            self.LIVENESS: health_pb2.HealthCheckResponse.SERVING,
+        }
         self._changed = asyncio.Event()  # set (and replaced) on every change
         self._stopping = False  # NOT_SERVING for good
         self._ended = False  # Watch streams end
@@ -249,7 +257,7 @@ class Health(health_pb2_grpc.HealthServicer):
         self._changed = asyncio.Event()
 
     async def set(self, service: str, status: int) -> None:
-        if not self._stopping:
+        if not self._stopping and service != self.LIVENESS:
             self._status[service] = status
             self._notify()
 
@@ -257,7 +265,8 @@ class Health(health_pb2_grpc.HealthServicer):
         """Every service NOT_SERVING, for good (later ``set`` calls are ignored)."""
         self._stopping = True
         for service in self._status:
-            self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+            if service != self.LIVENESS:
+                self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
         self._notify()
 
     def end_watches(self) -> None:
