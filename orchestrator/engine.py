@@ -268,7 +268,10 @@ class Orchestrator:
                 f"protocol draft {d.protocol_version} != orchestrator {PROTOCOL_VERSION}"
             )
         if d.vocab_size != t.vocab_size:
-            problems.append(f"vocab_size draft {d.vocab_size} != target {t.vocab_size}")
+            hint = ""
+            if d.vocab_size < t.vocab_size:  # checkpoints of one family padded differently
+                hint = f" (a draft of the same tokenizer: set draft.pad_vocab: {t.vocab_size})"
+            problems.append(f"vocab_size draft {d.vocab_size} != target {t.vocab_size}{hint}")
         if d.tokenizer_fingerprint != t.tokenizer_fingerprint:
             problems.append(
                 f"tokenizer fingerprint draft {d.tokenizer_fingerprint[:12]} != "

@@ -68,6 +68,12 @@ class ModelServiceConfig:
     max_context: int = 2048
     # Never run code shipped with a model unless explicitly allowed.
     trust_remote_code: bool = False
+    # Grow the model's vocabulary to this many tokens at load (0: its own). For a
+    # draft whose embedding table is smaller than the target's, as checkpoints of one
+    # family padded differently are (Qwen2.5 0.5B: 151,936 tokens, 7B: 152,064): set
+    # it to the target's vocab_size. The new tokens get rows of zeros in the input
+    # embedding and the output layer (specdec/runtime/loading.py, pad_vocab).
+    pad_vocab: int = 0
     # Seconds in-flight work may take to finish after SIGTERM.
     grace_period_s: float = 10.0
     # Threads torch may use on the CPU; 0 keeps torch's default.
@@ -403,6 +409,7 @@ _NON_NEGATIVE = {
     "sampled_guesses",
     "guess_copy_mb",
     "lookahead_tokens",
+    "pad_vocab",
 }
 
 
@@ -499,6 +506,12 @@ def _validate(cfg: Config) -> None:
         got = cfg.target.lookahead_tokens
         raise ConfigError(f"target.lookahead_tokens: must be <= {MAX_GAMMA}, got {got}")
     for section in ("draft", "target"):
+        sub = getattr(cfg, section)
+        if sub.pad_vocab and sub.hidden_q:
+            raise ConfigError(
+                f"{section}.pad_vocab: not with {section}.hidden_q (the target's copy of "
+                "the draft's output layer, read from its checkpoint, would lack the rows)"
+            )
         got = getattr(cfg, section).keep_freed_mb
         if got > MAX_KEEP_FREED_MB:  # (glibc takes the threshold as a C int of bytes)
             raise ConfigError(f"{section}.keep_freed_mb: must be <= {MAX_KEEP_FREED_MB}, got {got}")

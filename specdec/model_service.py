@@ -30,6 +30,7 @@ from specdec.runtime.loading import (
     load_output_layer,
     load_tokenizer,
     model_fingerprint,
+    pad_vocab,
     position_limit,
     set_threads,
     tokenizer_fingerprint,
@@ -61,6 +62,8 @@ class ModelService:
             self.model = load_model(
                 cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code, quiet=True
             )
+        if cfg.pad_vocab:
+            pad_vocab(self.model, cfg.pad_vocab, f"{role}.pad_vocab")
         self.tokenizer = tokenizer
         if tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)

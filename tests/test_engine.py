@@ -388,3 +388,45 @@ def test_a_top_k_of_the_whole_vocabulary_is_no_top_k(llama_pair):
 
     top_k, wide, none = asyncio.run(scenario())
     assert top_k == 0 and wide == none
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_with_fewer_tokens_pairs_once_padded(llama_pair, tmp_path, temperature):
+    """Checkpoints of one family are padded differently (Qwen2.5 0.5B: 151,936
+    tokens, 7B: 152,064). Such a draft is refused with a hint, and with
+    ``draft.pad_vocab`` set to the target's vocabulary it pairs and speculates: greedy
+    output is still the target's own, and a sampled request completes."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from specdec.errors import FailedPrecondition
+
+    from .tiny import build_model
+
+    _, target = llama_pair
+    small = build_model("llama", tmp_path / "small", layers=1, width=32, seed=5)
+    cfg = AutoConfig.from_pretrained(small)
+    vocab = cfg.vocab_size
+    cfg.vocab_size -= 5
+    LlamaForCausalLM(cfg).save_pretrained(small)
+    ids = load_tokenizer(str(target)).encode("padded")
+    want = _reference(target, ids, 24)
+
+    async def refused() -> str:
+        try:
+            async with in_process(small, target):
+                return ""
+        except FailedPrecondition as e:
+            return str(e)
+
+    async def padded():
+        async with in_process(small, target, draft={"pad_vocab": vocab}) as system:
+            return await system.generate(
+                prompt=ids, max_new_tokens=24, temperature=temperature, gamma=3, seed=3
+            )
+
+    message = asyncio.run(refused())
+    assert f"set draft.pad_vocab: {vocab}" in message, message
+    got, _, stats = asyncio.run(padded())
+    assert len(got) == 24 and stats.drafted > 0 and stats.fallback_steps == 0, stats
+    if not temperature:
+        assert got == want

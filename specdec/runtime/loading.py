@@ -91,6 +91,28 @@ def load_model(
     return model.to(device).eval()
 
 
+def pad_vocab(model, size: int, field: str) -> None:
+    """Grow ``model``'s vocabulary to ``size`` tokens, with rows of zeros in its input
+    embedding and its output layer (tied or not): a draft paired with a target whose
+    embedding table is padded further (``ModelServiceConfig.pad_vocab``). A new
+    token's logit is 0; the draft may propose one, rarely, and embed one the target
+    drew. Exactness never depends on what the draft proposes (its q is sent as it
+    drew from it), only acceptance does."""
+    have = model.get_input_embeddings().weight.shape[0]
+    if size < have:
+        raise ConfigError(f"{field}: must be 0 or at least the model's {have} tokens, got {size}")
+    if size == have:
+        return
+    model.resize_token_embeddings(size, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[have:].zero_()
+        out = model.get_output_embeddings()
+        if out is not None:
+            out.weight[have:].zero_()
+            if getattr(out, "bias", None) is not None:
+                out.bias[have:].zero_()
+
+
 def load_output_layer(path: str, trust_remote_code: bool = False):
     """The model built on the meta device (no memory for its weights) and its output
     layer's weight [vocab, d] in float32 on the CPU, read alone from the safetensors
