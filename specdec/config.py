@@ -68,8 +68,8 @@ class ModelServiceConfig:
     max_context: int = 2048
     # Never run code shipped with a model unless explicitly allowed.
     trust_remote_code: bool = False
-    # Grow the model's vocabulary to this many tokens at load (0: its own). For a
-    # draft whose embedding table is smaller than the target's, as checkpoints of one
+    # Draft only: grow the model's vocabulary to this many tokens at load (0: its
+    # own). For a draft whose embedding table is smaller than the target's, as checkpoints of one
     # family padded differently are (Qwen2.5 0.5B: 151,936 tokens, 7B: 152,064): set
     # it to the target's vocab_size. The new tokens get rows of zeros in the input
     # embedding and the output layer (specdec/runtime/loading.py, pad_vocab).
@@ -505,6 +505,11 @@ def _validate(cfg: Config) -> None:
     if cfg.target.lookahead_tokens > MAX_GAMMA:
         got = cfg.target.lookahead_tokens
         raise ConfigError(f"target.lookahead_tokens: must be <= {MAX_GAMMA}, got {got}")
+    if cfg.target.pad_vocab:
+        raise ConfigError(
+            "target.pad_vocab: a draft's setting (new tokens would take some of the "
+            "target's probability, and its output would no longer be its own)"
+        )
     for section in ("draft", "target"):
         sub = getattr(cfg, section)
         if sub.pad_vocab and sub.hidden_q:

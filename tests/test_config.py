@@ -40,6 +40,7 @@ def test_the_local_config_gives_each_model_service_one_thread():
         ({**BASE, "target": {"model": "t", "keep_freed_mb": 4096}}, "target.keep_freed_mb"),
         ({**BASE, "draft": {"model": "d", "pad_vocab": 64, "hidden_q": True}}, "draft.pad_vocab"),
         ({**BASE, "draft": {"model": "d", "pad_vocab": -1}}, "draft.pad_vocab"),
+        ({**BASE, "target": {"model": "t", "pad_vocab": 64}}, "target.pad_vocab"),
         ({"draft": {"model": "d"}, "target": {}}, "target.model"),
         (
             {**BASE, "draft": {"model": "d", "trust_remote_code": "maybe"}},
