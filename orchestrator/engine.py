@@ -56,6 +56,8 @@ from .step import (
 from .text import TextStream
 
 log = logging.getLogger(__name__)
+# How long start-up waits for a draft once a target answers (within connect_timeout_s).
+DRAFT_WAIT_S = 60.0
 
 
 @dataclass
@@ -193,7 +195,10 @@ class Orchestrator:
         self.draft_pool.trial_s = 2 * o.draft_timeout_s
         self.target_info = await self.target_pool.wait_ready(o.connect_timeout_s)
         try:
-            self.draft_info = await self.draft_pool.wait_ready(o.connect_timeout_s)
+            # A draft that is not there yet costs at most DRAFT_WAIT_S more: the target
+            # alone serves, and the resolver takes the draft up when it answers.
+            wait = min(o.connect_timeout_s, DRAFT_WAIT_S)
+            self.draft_info = await self.draft_pool.wait_ready(wait)
         except Unavailable as e:
             # The target alone can serve every request; speculation starts when a draft answers.
             log.warning("%s; starting without speculation", e)

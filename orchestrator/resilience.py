@@ -414,7 +414,9 @@ class TargetLink(_Link):
                 # (after a restart) found it full: another replica of the model may
                 # have some. A pass ran out of memory: the same session, after a wait.
                 self._success()
-                if self.budget.passed() or time.monotonic() > retry_until:
+                if self.budget.passed(_DEADLINE_SLACK_S):
+                    raise DeadlineExceeded(_DEADLINE_PASSED) from None
+                if time.monotonic() > retry_until:
                     raise
                 if opening:
                     self._fail_over(outage=False)

@@ -554,3 +554,56 @@ def test_a_forward_that_fails_fails_only_the_job_that_fails_alone(llama_pair):
     assert isinstance(failed, ResourceExhausted) and "out of memory" in str(failed), failed
     assert done == 3 and poison.length == 0
     assert len(held) == 2 and not any(alive), alive  # shared, then alone
+
+
+def test_a_forward_that_fails_late_leaves_every_session_as_it_was(llama_pair, monkeypatch):
+    """A forward can fail after the model ran: the float copy of bfloat16 logits runs
+    out of memory, or a device fault shows at the synchronize. The sessions must not
+    have grown then, or the jobs run again alone feed their tokens twice and their
+    caches hold them twice: wrong logits from then on, silently. (Found by review:
+    the runner grew the lengths before that copy, and the loop kept them.)"""
+    import asyncio
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    model = load_model(str(llama_pair[1]))
+    runner = RaggedRunner(model.to(torch.bfloat16))
+    kv = SessionKV()
+    real_float = torch.Tensor.float
+
+    def out_of_memory(self, *args, **kwargs):
+        if self.dtype != torch.bfloat16:  # (the logits' copy; not other calls)
+            return real_float(self, *args, **kwargs)
+        raise torch.OutOfMemoryError("planted in the float copy")
+
+    monkeypatch.setattr(torch.Tensor, "float", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.forward([Feed(kv, [5, 6, 7], 1)])
+    monkeypatch.setattr(torch.Tensor, "float", real_float)
+    assert kv.length == 0  # the runner: nothing grew
+
+    fail_once = [True]
+
+    class FailsAfterTheRunner:  # as a fault at the synchronize would
+        def forward(self, feeds):
+            out = runner.forward(feeds)
+            if fail_once.pop() if fail_once else False:
+                raise RuntimeError("a device fault, seen at the synchronize")
+            return out
+
+    def job(kv, n):
+        for _ in range(n):
+            yield Feed(kv, [5], 1)
+        return kv.length
+
+    async def main():
+        loop = ForwardLoop(FailsAfterTheRunner(), 512, None)
+        loop.start()
+        try:
+            sessions = [SessionKV(), SessionKV()]
+            return await asyncio.gather(*(loop.run(job(s, 2)) for s in sessions))
+        finally:
+            await loop.aclose()
+
+    assert asyncio.run(main()) == [2, 2]  # the loop: each token fed once

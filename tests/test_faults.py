@@ -255,6 +255,28 @@ def test_a_connection_dying_mid_stream_counts_as_a_lost_peer(details, expected):
     assert type(error_of(e, "target")).__name__ == expected
 
 
+@pytest.mark.parametrize(
+    ("details", "expected"),
+    [
+        ("sessions: the limit of 256 live sessions is reached", "ResourceExhausted"),
+        ("memory: the device ran out of memory in a forward", "ResourceExhausted"),
+        ("Received message larger than max (20000000 vs. 16777216)", "Internal"),
+        ("Sent message larger than max (20000000 vs. 16777216)", "Internal"),
+    ],
+)
+def test_only_a_services_own_resource_exhausted_is_worth_a_wait(details, expected):
+    """A full replica or a pass out of memory (the service's RESOURCE_EXHAUSTED) is
+    waited out or left for another replica; gRPC's own, for a message over the size
+    limit, is this call's failure and would fail every retry alike. (Found by review:
+    such a verify was sent again twice a second for target_retry_s.)"""
+    from specdec.transport.status import error_of
+
+    e = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+    assert type(error_of(e, "target")).__name__ == expected
+
+
 def test_liveness_stays_serving_while_a_service_drains():
     """The health service's "liveness" name (what the manifests' liveness probes ask)
     stays SERVING when SIGTERM turns the others NOT_SERVING: a liveness probe that

@@ -79,7 +79,7 @@ class ScriptedOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
 
 def scripted_server() -> tuple[grpc.Server, health.HealthServicer, int]:
     # It takes pings as the services do (``specdec.transport.server``).
-    options = [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000)]
+    options = [("grpc.http2.min_ping_interval_without_data_ms", 1000)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(ScriptedOrchestrator(), server)
     health_servicer = health.HealthServicer()

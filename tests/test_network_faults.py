@@ -281,3 +281,39 @@ def test_a_replica_gone_silent_fails_its_open_calls_within_twice_the_keepalive(k
         assert code == grpc.StatusCode.UNAVAILABLE and took < 2 * keepalive_s + 1.5, (code, took)
     else:  # the call's own deadline
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took > 4.0, (code, took)
+
+
+def test_a_quiet_call_outlives_many_keepalive_pings():
+    """A call on which nothing comes for a while (a session between steps, a Watch)
+    keeps its connection through the client's keepalive pings. (Before, the servers
+    set the ping rate they accept under a name gRPC does not know, kept its 5-minute
+    default, and answered the third ping with GOAWAY "too many pings": the call
+    failed UNAVAILABLE after about 3 keepalive periods.)"""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.config import TlsConfig
+    from specdec.transport.channels import open_channel
+    from specdec.transport.server import start_server
+
+    async def scenario() -> tuple[object, float]:
+        running = await start_server(lambda server: None, (), "127.0.0.1", 0, "test")
+        try:
+            channel = open_channel(f"127.0.0.1:{running.port}", TlsConfig(), 1 << 20, 1.0)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(), timeout=6.0
+            )
+            await watch.read()
+            began = time.monotonic()
+            try:
+                await watch.read()
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            await channel.close()
+            return code, time.monotonic() - began
+        finally:
+            await running.server.stop(0)
+
+    code, took = asyncio.run(scenario())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took > 5.0, (code, took)

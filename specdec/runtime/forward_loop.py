@@ -249,11 +249,18 @@ class ForwardLoop:
                 waits.append(start - p.arrived)
                 p.waited = True
         tracing.mark("forward")
+        # What each feed's session held before: a forward that fails after the runner
+        # grew them (a device fault shows at the synchronize) must not have grown them.
+        before = [(f, f.kv.length, len(f.hidden_out or ())) for _, f in batch]
         try:
             logits = self.runner.forward([feed for _, feed in batch])
             if logits and logits[0].is_cuda:  # time the work, not the launch
                 torch.cuda.synchronize(logits[0].device)  # (where a device fault shows)
         except Exception as e:
+            for f, length, kept in before:
+                f.kv.length = length
+                if f.hidden_out is not None:
+                    del f.hidden_out[kept:]
             if len(batch) > 1:  # which job's feed failed it? each runs again, alone
                 log.warning(
                     "forward loop: a forward of %d sessions failed (%s: %s); running "

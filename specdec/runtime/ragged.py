@@ -474,19 +474,23 @@ class RaggedRunner:
                 d["_attn_implementation_internal"] = theirs
             if hook is not None:
                 hook.remove()
-        for s in segments:
-            s.kv.length = s.past + s.new
+        logits = logits[0]  # [rows with logits, vocab]
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # (a copy: it may run out of memory too)
+        hidden = None
         if any(f.hidden_out is not None for f in feeds):  # the output layer's input
             hidden = captured[-1][0].split(counts)  # each [logits, d]
+        if heads is not None:
+            counts = [f.logits if f.head else 0 for f in feeds]
+        out = list(logits.split(counts))
+        # Nothing below can fail: only now do the sessions grow.
+        for s in segments:
+            s.kv.length = s.past + s.new
+        if hidden is not None:
             for f, h in zip(feeds, hidden, strict=True):
                 if f.hidden_out is not None:
                     f.hidden_out.append(h)
-        logits = logits[0]  # [rows with logits, vocab]
-        if logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()
-        if heads is not None:
-            counts = [f.logits if f.head else 0 for f in feeds]
-        return list(logits.split(counts))
+        return out
 
     def _lean_forward(
         self,

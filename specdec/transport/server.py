@@ -317,7 +317,9 @@ async def start_server(
             # Clients may keep a call's connection alive with pings (the gateway's
             # keepalive_s, at least 1 s apart) even while no data flows, as in a long
             # prefill; gRPC's default takes one in 5 minutes and then sends GOAWAY.
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000)),
+            # (gRPC's name for the server's setting; a misspelt one is silently ignored,
+            # and with the 5-minute default, three pings made a quiet call's GOAWAY.)
+            ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000)),
         ],
     )
     register(server)

@@ -49,6 +49,9 @@ def code_of(e: errors.SpecdecError) -> grpc.StatusCode:
 # dies mid-stream (a peer killed with SIGKILL, a reset): a lost peer, not a bug
 # in it. The services' own INTERNAL details never take these forms.
 _TRANSPORT_INTERNAL = ("Internal error from Core", "Received RST_STREAM")
+# RESOURCE_EXHAUSTED that gRPC makes up itself for a message over the size limit:
+# this call's own failure, not a full service (nothing to wait for or move off).
+_TRANSPORT_TOO_LARGE = ("Received message larger than max", "Sent message larger than max")
 
 
 def error_of(e: grpc.aio.AioRpcError, peer: str) -> errors.SpecdecError:
@@ -56,6 +59,10 @@ def error_of(e: grpc.aio.AioRpcError, peer: str) -> errors.SpecdecError:
     cls = _FROM_CODE.get(e.code(), errors.Unavailable)
     if e.code() == grpc.StatusCode.INTERNAL and (e.details() or "").startswith(_TRANSPORT_INTERNAL):
         cls = errors.Unavailable
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(
+        _TRANSPORT_TOO_LARGE
+    ):
+        cls = errors.Internal
     message = f"{peer}: {e.code().name}: {e.details()}"
     if cls is errors.InvalidArgument:
         return errors.InvalidArgument(peer, f"{e.code().name}: {e.details()}")
