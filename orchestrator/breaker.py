@@ -38,18 +38,21 @@ class CircuitBreaker:
         now = time.monotonic() if now is None else now
         return now >= self.open_until and now >= self.trial_until
 
-    def claim(self, now: float | None = None) -> bool:
-        """A request pins the replica: True if its next call is the trial (the
-        breaker is half-open), which keeps the others away until it ends."""
+    def claim(self, now: float | None = None) -> float:
+        """A request pins the replica: if its next call is the trial (the breaker is
+        half-open), which keeps the others away until it ends, the trial's token
+        (its deadline, for ``release``); else 0.0."""
         if not self.failures:
-            return False
+            return 0.0
         now = time.monotonic() if now is None else now
         self.trial_until = now + self.trial_s
-        return True
+        return self.trial_until
 
-    def release(self) -> None:
-        """The trial ended without an outcome: another request may try."""
-        self.trial_until = 0.0
+    def release(self, token: float) -> None:
+        """The trial ``token`` ended without an outcome: another request may try (not
+        if that trial lapsed and another request's is in flight now)."""
+        if self.trial_until == token:
+            self.trial_until = 0.0
 
     def success(self) -> bool:
         """A call succeeded; True if that closed the breaker (the replica is back)."""

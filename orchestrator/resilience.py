@@ -98,7 +98,7 @@ class _Link:
         self.counter = counter
         self.spawn = spawn  # runs a coroutine that must outlive a cancelled request
         self.replica: Replica | None = None
-        self.trial = False  # this link's next call is its replica's trial (half-open breaker)
+        self.trial = 0.0  # its replica's trial, as its breaker's token (0.0: none)
         self.session = None
         self.cursor: Cursor | None = None
 
@@ -113,19 +113,19 @@ class _Link:
     def unpin(self) -> None:
         if self.replica is not None:
             if self.trial:  # leaving without an outcome: another request may try
-                self.replica.breaker.release()
-                self.trial = False
+                self.replica.breaker.release(self.trial)
+                self.trial = 0.0
             self.replica.pinned -= 1
             self.replica = None
 
     def _success(self) -> bool:
         """A call to the pinned replica succeeded; True if that closed its breaker."""
-        self.trial = False
+        self.trial = 0.0
         return self.replica.breaker.success()
 
     def _outage(self) -> None:
         """The pinned replica failed as a whole: count it against its breaker."""
-        self.trial = False
+        self.trial = 0.0
         self.replica.breaker.failure()
 
     def drop_session(self) -> None:

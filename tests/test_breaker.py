@@ -29,11 +29,18 @@ def test_the_breaker_lets_one_trial_through_after_its_back_off():
     assert not b.allow(11.1)  # ... and the others keep away
     b.failure(now=11.2)  # the trial failed: open again, twice as long
     assert b.failures == 2 and not b.allow(13.1) and b.allow(13.2)
-    assert b.claim(13.2)
-    b.release()  # its request ended without an outcome: another may try
-    assert b.allow(13.3) and b.claim(13.3)
+    token = b.claim(13.2)
+    b.release(token)  # its request ended without an outcome: another may try
+    assert b.allow(13.3)
+    lapsing = b.claim(13.3)
     assert not b.allow(18.2) and b.allow(18.3)  # a trial never given back lapses
-    assert b.success() and b.closed and b.allow(18.4) and not b.claim(18.4)
+    newer = b.claim(18.3)
+    b.release(lapsing)  # the lapsed trial's request ends: the newer trial stands
+    assert not b.allow(18.4)
+    b.release(newer)
+    b.failure(now=18.5)  # (no trial in flight: counts, 4 s now)
+    assert not b.allow(22.4) and b.allow(22.5) and b.claim(22.5)
+    assert b.success() and b.closed and b.allow(22.6) and not b.claim(22.6)
 
 
 class FakeDraft:
