@@ -341,18 +341,6 @@ def test_sigterm_lets_a_stream_in_flight_finish(tmp_path, llama_stack):
         r = conn.getresponse()
         assert r.read(7) == b"data: {"
         g.proc.send_signal(signal.SIGTERM)  # mid-stream
-        time.sleep(0.2)
-        # Draining: it still listens; liveness says 200 (a failed liveness probe would
-        # have the pod killed mid-drain), readiness 503, and new requests are turned away.
-        for method, path, want in (
-            ("GET", "/health/live", 200),
-            ("GET", "/health", 503),
-            ("POST", "/v1/completions", 503),
-        ):
-            other = http.client.HTTPConnection("127.0.0.1", g.port, timeout=10)
-            other.request(method, path, body if method == "POST" else None)
-            assert other.getresponse().status == want, path
-            other.close()
         rest = r.read()
         conn.close()
         assert rest.endswith(b"data: [DONE]\n\n")

@@ -301,3 +301,37 @@ def test_cors_for_the_origins_configured_and_no_other(tmp_path):
             assert status == 200 and "Access-Control-Allow-Origin" not in headers
     finally:
         server.stop(0)
+
+
+def test_a_draining_gateway_stays_live_and_turns_new_requests_away(tmp_path):
+    """While a request is in flight after SIGTERM, the gateway still listens:
+    /health/live says 200 (a liveness probe that failed mid-drain would have the pod
+    killed before its streams finish), /health and new requests 503. When the grace
+    period is over, the request still in flight is cancelled and the process exits."""
+    import signal
+
+    server, _, port = scripted_server()
+    try:
+        with gateway(tmp_path, CONFIG, f"127.0.0.1:{port}", grace_period_s=3) as gw:
+            conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+            body = json.dumps({"model": MODEL, "prompt": "hang", "stream": True})
+            conn.request("POST", "/v1/completions", body)
+            r = conn.getresponse()
+            assert r.read(7) == b"data: {"  # in flight, and it hangs for 20 s
+            gw.proc.send_signal(signal.SIGTERM)
+            began = time.monotonic()
+            time.sleep(0.3)
+            for method, path, want in (
+                ("GET", "/health/live", 200),
+                ("GET", "/health", 503),
+                ("POST", "/v1/completions", 503),
+            ):
+                other = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+                other.request(method, path, body if method == "POST" else None)
+                assert other.getresponse().status == want, path
+                other.close()
+            assert gw.proc.wait(20) == 0
+            assert 2.5 < time.monotonic() - began < 10  # the grace period, not the hang
+            conn.close()
+    finally:
+        server.stop(0)
