@@ -13,8 +13,10 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -130,9 +132,21 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
 
 
 # ---- up -----------------------------------------------------------------------------
-def _up(config_path: str | None, overrides: list[str]) -> None:
-    procs = start_local(config_path, overrides, gateway=True)
+def _up(config_path: str | None, overrides: list[str]) -> int:
+    from specdec.demo import busy_ports
+
     cfg = load_config(config_path, overrides)
+    busy = busy_ports(cfg, gateway=True)
+    if busy:
+        print(f"error: already in use: {', '.join(busy)} (another specdec?); choose free "
+              "ports with --set", file=sys.stderr)  # fmt: skip
+        return 1
+    if mismatch := _unwired(cfg):
+        print(f"error: {mismatch}", file=sys.stderr)
+        return 1
+    # A stop signal (kill, systemd, docker stop) stops the services as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    procs = start_local(config_path, overrides, gateway=True)
     print(
         f"specdec is up: orchestrator (gRPC) {cfg.orchestrator.host}:{cfg.orchestrator.port}, "
         f"OpenAI-compatible API {gateway_url(cfg, '/v1')} (Ctrl-C stops all four)",
@@ -141,10 +155,33 @@ def _up(config_path: str | None, overrides: list[str]) -> None:
     try:
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
+        # (ROLES is start_local's order)
+        dead = [(r, p.poll()) for r, p in zip(ROLES, procs, strict=True) if p.poll() is not None]
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
         stop_local(procs)
+    role, code = dead[0]
+    print(f"error: the {role} exited (code {code}); the others are stopped", file=sys.stderr)
+    return 1
+
+
+def _unwired(cfg) -> str:
+    """Where ``up``'s services would not find each other: a port moved with --set
+    while the address that reaches it was not (the services would wait on in vain)."""
+    o, g = cfg.orchestrator, cfg.gateway
+    wires = (
+        ("orchestrator.draft_address", o.draft_address, "draft.port", cfg.draft.port),
+        ("orchestrator.target_address", o.target_address, "target.port", cfg.target.port),
+        ("gateway.orchestrator_address", g.orchestrator_address, "orchestrator.port", o.port),
+    )
+    for key, address, port_key, port in wires:
+        if address.rpartition(":")[2] != str(port):
+            return (
+                f"{key} is {address}, but {port_key} is {port}: set both "
+                f"(--set {key}=127.0.0.1:{port})"
+            )
+    return ""
 
 
 # ---- generate -----------------------------------------------------------------------
@@ -197,6 +234,8 @@ def generate(args: argparse.Namespace, out=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "config", None):  # services started from here run in the repo's root
+        args.config = str(Path(args.config).expanduser().resolve())
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -205,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             asyncio.run(_serve(args.role, args.config, args.overrides))
         elif args.command == "up":
-            _up(args.config, args.overrides)
+            return _up(args.config, args.overrides)
         elif args.command == "generate":
             return generate(args)
         elif args.command == "demo":

@@ -461,6 +461,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         key = f"{prefix}{name}"
         default = getattr(obj, name)
         if dataclasses.is_dataclass(default):
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(f"{key}: expected a mapping of its keys, got {value!r}")
             base = dataclasses.asdict(default)
             base.update(value or {})
             setattr(obj, name, _build(type(default), base, key + "."))
@@ -561,8 +563,10 @@ def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
         prefix = f"SPECDEC_{section.upper()}_"
         for name, value in env.items():
             # Kubernetes service links (SPECDEC_DRAFT_PORT=tcp://..., *_SERVICE_HOST)
-            # share the prefix when a Service is named specdec-draft: not ours.
-            if "://" in value or "_SERVICE_" in name or "_PORT_" in name:
+            # share the prefix when a Service is named specdec-draft: not ours. Only
+            # their tcp:// and udp:// values are skipped (a dns:/// address is ours).
+            link = value.startswith(("tcp://", "udp://", "sctp://"))
+            if link or "_SERVICE_" in name or "_PORT_" in name:
                 continue
             if name.startswith(prefix):
                 key = name[len(prefix) :].lower()

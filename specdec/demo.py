@@ -176,15 +176,19 @@ def _wrap(text: str) -> str:
 
 
 # ---- starting and stopping ------------------------------------------------------------
-def busy_ports(cfg: Config) -> list[str]:
-    """The configured listen addresses that something else already holds."""
+def busy_ports(cfg: Config, gateway: bool = False) -> list[str]:
+    """The configured listen addresses that something else already holds (the
+    gateway's too, with ``gateway``)."""
     busy = []
-    for role in ROLES:
+    for role in (*ROLES, "gateway") if gateway else ROLES:
         section = getattr(cfg, role)
         for port in (section.port, section.metrics_port):
             if not port:
                 continue
             with socket.socket() as s:
+                # As the services bind: a port that only closed connections linger on
+                # (TIME_WAIT, after a run just stopped) is free to them.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((section.host, port))
                 except OSError as e:

@@ -17,7 +17,7 @@ import torch
 
 import specdec
 from specdec import kernels, metrics
-from specdec.config import ModelServiceConfig
+from specdec.config import ConfigError, ModelServiceConfig
 from specdec.errors import FailedPrecondition, Unavailable, Unsupported, require
 from specdec.hidden_q import QuantHead
 from specdec.runtime import packed_linear
@@ -25,6 +25,7 @@ from specdec.runtime.forward_loop import BatchStats, ForwardLoop, Job
 from specdec.runtime.loading import (
     ModelInfo,
     check_device,
+    check_model_path,
     eos_token_ids,
     load_model,
     load_output_layer,
@@ -59,9 +60,14 @@ class ModelService:
         self.model = model
         if model is None:
             check_device(f"{role}.device", cfg.device)
-            self.model = load_model(
-                cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code, quiet=True
-            )
+            check_model_path(f"{role}.model", cfg.model)
+            try:
+                self.model = load_model(
+                    cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code, quiet=True
+                )
+            except OSError as e:  # not a directory here, nor a model on the hub
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConfigError(f"{role}.model: cannot load {cfg.model!r}: {first}") from e
         if cfg.pad_vocab:
             pad_vocab(self.model, cfg.pad_vocab, f"{role}.pad_vocab")
         self.tokenizer = tokenizer

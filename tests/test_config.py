@@ -41,6 +41,7 @@ def test_the_local_config_gives_each_model_service_one_thread():
         ({**BASE, "draft": {"model": "d", "pad_vocab": 64, "hidden_q": True}}, "draft.pad_vocab"),
         ({**BASE, "draft": {"model": "d", "pad_vocab": -1}}, "draft.pad_vocab"),
         ({**BASE, "target": {"model": "t", "pad_vocab": 64}}, "target.pad_vocab"),
+        ({**BASE, "draft": {"model": "d", "tls": "x"}}, "draft.tls"),
         ({"draft": {"model": "d"}, "target": {}}, "target.model"),
         (
             {**BASE, "draft": {"model": "d", "trust_remote_code": "maybe"}},
@@ -96,3 +97,24 @@ def test_a_device_this_machine_lacks_is_a_config_error_naming_the_key(tmp_path):
             check_device("target.device", device)
     with pytest.raises(ConfigError, match=r"^draft\.device: "):
         ModelService("draft", ModelServiceConfig(model=str(tmp_path), device=f"cuda:{missing}"))
+
+
+def test_env_overrides_keep_our_urls_and_skip_service_links():
+    """Kubernetes service links share the prefix (SPECDEC_DRAFT_PORT=tcp://...) and
+    are skipped; a dns:/// address of ours is not (it was, for its "://")."""
+    env = {
+        "SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS": "dns:///draft.example:50051",
+        "SPECDEC_DRAFT_PORT": "tcp://10.0.0.1:50051",
+    }
+    cfg = config_from_dict(BASE, env=env)
+    assert cfg.orchestrator.draft_address == "dns:///draft.example:50051"
+    assert cfg.draft.port == config_from_dict(BASE, env={}).draft.port
+
+
+def test_a_missing_local_model_directory_is_named_at_once():
+    from specdec.runtime.loading import check_model_path
+
+    for path in ("models/demo/draftt", "./nope", "/no/such/model"):
+        with pytest.raises(ConfigError, match="draft.model: no such model directory"):
+            check_model_path("draft.model", path)
+    check_model_path("draft.model", "Qwen/Qwen2.5-0.5B")  # a hub id: left to the loader

@@ -50,6 +50,16 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def check_model_path(key: str, path: str) -> None:
+    """A ConfigError naming ``key`` for a model path that is plainly local (absolute,
+    relative with ./ or ../, or deeper than a hub id's ``owner/name``) and missing,
+    before transformers tries it as a hub id (and the network) for half a minute."""
+    if Path(path).expanduser().exists():
+        return
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        raise ConfigError(f"{key}: no such model directory: {path}")
+
+
 def check_device(key: str, device: str) -> None:
     """A ConfigError naming ``key`` unless ``device`` is one this machine has (the
     config checks only its kind: cpu or cuda). Before, a missing GPU or a wrong index

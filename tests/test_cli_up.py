@@ -1,0 +1,117 @@
+"""``specdec up``: what a user running it by hand meets (found by a review as a new
+user): ports already taken, a port moved without the address that reaches it, a
+stop signal, a service that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specdec import cli
+from specdec.local.stack import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ports() -> list[str]:
+    """--set pairs giving every service and its metrics free ports, wired together."""
+    p = {role: (free_port(), free_port()) for role in cli.ROLES}
+    sets = [f"{role}.port={p[role][0]}" for role in cli.ROLES]
+    sets += [f"{role}.metrics_port={p[role][1]}" for role in cli.ROLES]
+    sets += [
+        f"orchestrator.draft_address=127.0.0.1:{p['draft'][0]}",
+        f"orchestrator.target_address=127.0.0.1:{p['target'][0]}",
+        f"gateway.orchestrator_address=127.0.0.1:{p['orchestrator'][0]}",
+    ]
+    return sets
+
+
+def _args(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def test_up_refuses_a_port_moved_without_its_address(capsys):
+    """--set orchestrator.port alone left the gateway waiting on the old port for
+    five minutes; now up says which key to set, at once."""
+    sets = [s for s in _ports() if not s.startswith("gateway.orchestrator_address")]
+    assert cli.main(["up", *_args(sets)]) == 1
+    err = capsys.readouterr().err
+    assert "gateway.orchestrator_address is 127.0.0.1:50050" in err, err
+
+
+def test_up_refuses_ports_that_are_taken(capsys):
+    import socket
+
+    sets = _ports()
+    gateway_port = int(next(s for s in sets if s.startswith("gateway.port=")).split("=")[1])
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", gateway_port))
+        assert cli.main(["up", *_args(sets)]) == 1
+    err = capsys.readouterr().err
+    assert f"gateway 127.0.0.1:{gateway_port}" in err, err
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "zombie"
+        not in Path(f"/proc/{pid}/status").read_text().lower().split("state:")[1].split("\\n")[0]
+    )
+
+
+def test_a_stop_signal_stops_every_service_and_a_dead_one_is_named(llama_pair):
+    """SIGTERM to `specdec up` (kill, systemd, docker stop) left its four services
+    running as orphans; now it stops them as Ctrl-C does. And when a service dies,
+    up names it and exits 1 (it exited 0, silently)."""
+    draft, target = llama_pair
+    sets = _ports() + [f"draft.model={draft}", f"target.model={target}"]
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_LOCAL_FORKSERVER"}
+    for ending in ("sigterm", "a service dies"):
+        up = subprocess.Popen(
+            [sys.executable, "-m", "specdec", "up", *_args(sets)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            line = ""
+            while "specdec is up" not in line:
+                line = up.stdout.readline()
+                assert line or up.poll() is None, up.stderr.read()
+                assert time.monotonic() < deadline, "up did not come up"
+            services = _children(up.pid)
+            assert len(services) == 4, services
+            if ending == "sigterm":
+                up.send_signal(signal.SIGTERM)
+                assert up.wait(60) == 0
+            else:
+                target_pid = next(
+                    pid
+                    for pid in services
+                    if b"serve\x00target" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                )
+                os.kill(target_pid, signal.SIGKILL)
+                assert up.wait(60) == 1
+                assert "the target exited" in up.stderr.read()
+            time.sleep(0.5)
+            assert not [pid for pid in services if _alive(pid)], ending
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait(10)
