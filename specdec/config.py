@@ -519,7 +519,7 @@ def _validate(cfg: Config) -> None:
                 f"{section}.pad_vocab: not with {section}.hidden_q (the target's copy of "
                 "the draft's output layer, read from its checkpoint, would lack the rows)"
             )
-        got = getattr(cfg, section).keep_freed_mb
+        got = sub.keep_freed_mb
         if got > MAX_KEEP_FREED_MB:  # (glibc takes the threshold as a C int of bytes)
             raise ConfigError(f"{section}.keep_freed_mb: must be <= {MAX_KEEP_FREED_MB}, got {got}")
     for section in ("gateway", "orchestrator"):

@@ -319,7 +319,6 @@ class ForwardLoop:
             self._waiting.pop(key).job.close()
 
     def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
-        p.alone = False
         if self._waiting.get(p.key) is p:
             del self._waiting[p.key]
         if p.future.done():
