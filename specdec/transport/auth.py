@@ -17,18 +17,14 @@ def expected(tokens: Iterable[str]) -> list[bytes]:
     return [f"Bearer {t}".encode() for t in tokens]
 
 
-def normalized(header: str | bytes) -> str | bytes:
-    """``header`` with a bearer scheme spelled ``Bearer``; anything else unchanged."""
-    if isinstance(header, bytes):
-        scheme, sep, token = header.partition(b" ")
-        return b"Bearer " + token if sep and scheme.lower() == b"bearer" else header
+def normalized(header: str) -> str:
+    """``header`` with a bearer scheme spelled ``Bearer``; anything else unchanged.
+    (An HTTP header, or gRPC metadata under a key without ``-bin``: a string.)"""
     scheme, sep, token = header.partition(" ")
     return "Bearer " + token if sep and scheme.lower() == "bearer" else header
 
 
-def accepted(header: str | bytes, tokens: list[bytes]) -> bool:
+def accepted(header: str, tokens: list[bytes]) -> bool:
     """Whether ``header`` carries one of ``tokens`` (from ``expected``)."""
-    given = normalized(header)
-    if isinstance(given, str):
-        given = given.encode("utf-8", "replace")
+    given = normalized(header).encode("utf-8", "replace")
     return sum(hmac.compare_digest(given, t) for t in tokens) > 0

@@ -45,24 +45,31 @@ def code_of(e: errors.SpecdecError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-# INTERNAL statuses that gRPC's core library makes up itself when a connection
-# dies mid-stream (a peer killed with SIGKILL, a reset): a lost peer, not a bug
-# in it. The services' own INTERNAL details never take these forms.
-_TRANSPORT_INTERNAL = ("Internal error from Core", "Received RST_STREAM")
-# RESOURCE_EXHAUSTED that gRPC makes up itself for a message over the size limit:
-# this call's own failure, not a full service (nothing to wait for or move off).
-_TRANSPORT_TOO_LARGE = ("Received message larger than max", "Sent message larger than max")
+# Statuses that gRPC's core library makes up itself, never the services (whose
+# details never take these forms), by code: how their details start, and what
+# they mean to the caller.
+_MADE_UP_BY_GRPC = {
+    # A connection that died mid-stream (a peer killed with SIGKILL, a reset): a
+    # lost peer, not a bug in it.
+    grpc.StatusCode.INTERNAL: (
+        ("Internal error from Core", "Received RST_STREAM"),
+        errors.Unavailable,
+    ),
+    # A message over the size limit: this call's own failure, not a full service
+    # (nothing to wait for or move off).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        ("Received message larger than max", "Sent message larger than max"),
+        errors.Internal,
+    ),
+}
 
 
 def error_of(e: grpc.aio.AioRpcError, peer: str) -> errors.SpecdecError:
     """A failed call to ``peer`` ("draft", "target") as a domain error."""
     cls = _FROM_CODE.get(e.code(), errors.Unavailable)
-    if e.code() == grpc.StatusCode.INTERNAL and (e.details() or "").startswith(_TRANSPORT_INTERNAL):
-        cls = errors.Unavailable
-    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(
-        _TRANSPORT_TOO_LARGE
-    ):
-        cls = errors.Internal
+    made_up = _MADE_UP_BY_GRPC.get(e.code())
+    if made_up is not None and (e.details() or "").startswith(made_up[0]):
+        cls = made_up[1]
     message = f"{peer}: {e.code().name}: {e.details()}"
     if cls is errors.InvalidArgument:
         return errors.InvalidArgument(peer, f"{e.code().name}: {e.details()}")
