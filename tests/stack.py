@@ -17,11 +17,32 @@ __all__ = [
     "Stack",
     "drafted_on",
     "free_port",
+    "free_port_sets",
     "local_stack",
     "planted_env",
     "proxied_stack",
+    "set_args",
     "write_config",
 ]
+
+
+def free_port_sets(gateway: bool = False) -> list[str]:
+    """``section.key=value`` settings that move the default config's services (and the
+    gateway, with ``gateway``) and their metrics to free ports, every address that
+    reaches one of them moved with it (as ``specdec demo`` and ``up`` take them)."""
+    roles = ("draft", "target", "orchestrator", *(("gateway",) if gateway else ()))
+    ports = {role: free_port() for role in roles}
+    sets = [f"{role}.port={port}" for role, port in ports.items()]
+    sets += [f"{role}.metrics_port={free_port()}" for role in roles]
+    sets += [f"orchestrator.{role}_address=127.0.0.1:{ports[role]}" for role in ("draft", "target")]
+    if gateway:
+        sets.append(f"gateway.orchestrator_address=127.0.0.1:{ports['orchestrator']}")
+    return sets
+
+
+def set_args(sets: list[str]) -> list[str]:
+    """Command-line arguments: ``--set`` before each setting."""
+    return [arg for s in sets for arg in ("--set", s)]
 
 
 def drafted_on(stack: Stack, outcome: str) -> float:

@@ -12,33 +12,18 @@ import time
 from pathlib import Path
 
 from specdec import cli
-from specdec.local.stack import free_port
+from specdec.config import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _ports() -> list[str]:
-    """--set pairs giving every service and its metrics free ports, wired together."""
-    p = {role: (free_port(), free_port()) for role in cli.ROLES}
-    sets = [f"{role}.port={p[role][0]}" for role in cli.ROLES]
-    sets += [f"{role}.metrics_port={p[role][1]}" for role in cli.ROLES]
-    sets += [
-        f"orchestrator.draft_address=127.0.0.1:{p['draft'][0]}",
-        f"orchestrator.target_address=127.0.0.1:{p['target'][0]}",
-        f"gateway.orchestrator_address=127.0.0.1:{p['orchestrator'][0]}",
-    ]
-    return sets
-
-
-def _args(sets: list[str]) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
+from .stack import free_port_sets, set_args
 
 
 def test_up_refuses_a_port_moved_without_its_address(capsys):
     """--set orchestrator.port alone left the gateway waiting on the old port for
     five minutes; now up says which key to set, at once."""
-    sets = [s for s in _ports() if not s.startswith("gateway.orchestrator_address")]
-    assert cli.main(["up", *_args(sets)]) == 1
+    sets = [
+        s for s in free_port_sets(gateway=True) if not s.startswith("gateway.orchestrator_address")
+    ]
+    assert cli.main(["up", *set_args(sets)]) == 1
     err = capsys.readouterr().err
     assert "gateway.orchestrator_address is 127.0.0.1:50050" in err, err
 
@@ -46,11 +31,11 @@ def test_up_refuses_a_port_moved_without_its_address(capsys):
 def test_up_refuses_ports_that_are_taken(capsys):
     import socket
 
-    sets = _ports()
+    sets = free_port_sets(gateway=True)
     gateway_port = int(next(s for s in sets if s.startswith("gateway.port=")).split("=")[1])
     with socket.socket() as held:
         held.bind(("127.0.0.1", gateway_port))
-        assert cli.main(["up", *_args(sets)]) == 1
+        assert cli.main(["up", *set_args(sets)]) == 1
     err = capsys.readouterr().err
     assert f"gateway 127.0.0.1:{gateway_port}" in err, err
 
@@ -77,12 +62,12 @@ def test_a_stop_signal_stops_every_service_and_a_dead_one_is_named(llama_pair):
     running as orphans; now it stops them as Ctrl-C does. And when a service dies,
     up names it and exits 1 (it exited 0, silently)."""
     draft, target = llama_pair
-    sets = _ports() + [f"draft.model={draft}", f"target.model={target}"]
+    sets = free_port_sets(gateway=True) + [f"draft.model={draft}", f"target.model={target}"]
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_LOCAL_FORKSERVER"}
     for ending in ("sigterm", "a service dies"):
         up = subprocess.Popen(
-            [sys.executable, "-m", "specdec", "up", *_args(sets)],
-            cwd=REPO,
+            [sys.executable, "-m", "specdec", "up", *set_args(sets)],
+            cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -22,18 +22,9 @@ from specdec.demo import run_demo
 from specdec.local.forkserver import ENV as FORKSERVER
 from specdec.sampling import expected_tokens_per_step
 
-from .stack import free_port
+from .stack import free_port_sets, set_args
 
 ROLES = ("draft", "target", "orchestrator")
-
-
-def free_port_overrides() -> list[str]:
-    """--set arguments that move the default config (the demo pair) to free ports."""
-    ports = {role: free_port() for role in ROLES}
-    sets = [f"{role}.port={port}" for role, port in ports.items()]
-    sets += [f"{role}.metrics_port={free_port()}" for role in ROLES]
-    sets += [f"orchestrator.{role}_address=127.0.0.1:{ports[role]}" for role in ("draft", "target")]
-    return [arg for s in sets for arg in ("--set", s)]
 
 
 def run_command(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, str, str]:
@@ -43,7 +34,7 @@ def run_command(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, 
     # imports done, as the other tests' are: tests/conftest.py).
     env = {**os.environ, "TMPDIR": str(tmp_path), FORKSERVER: "0"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specdec", "demo", *free_port_overrides(), *args],
+        [sys.executable, "-m", "specdec", "demo", *set_args(free_port_sets()), *args],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -91,7 +82,7 @@ def test_demo_names_its_logs_when_a_service_fails(tmp_path, monkeypatch):
     not_a_model.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the log folder lands here
     text = io.StringIO()
-    sets = free_port_overrides()[1::2] + [f"draft.model={not_a_model}"]
+    sets = free_port_sets() + [f"draft.model={not_a_model}"]
     rc = run_demo(None, sets, out=text)
     out = text.getvalue()
     assert rc == 1
