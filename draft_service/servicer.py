@@ -31,7 +31,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def relay_client(self) -> RelayClient:
         if self.relay is None:
             cfg = self.svc.cfg
-            self.relay = RelayClient(cfg.relay_tls, 16 * 1024 * 1024, cfg.relay_send_timeout_s)
+            self.relay = RelayClient(
+                cfg.relay_tls, 16 * 1024 * 1024, cfg.relay_send_timeout_s, cfg.relay_keepalive_s
+            )
         return self.relay
 
     async def aclose(self) -> None:

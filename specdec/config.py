@@ -113,6 +113,11 @@ class ModelServiceConfig:
     # (specdec/transport/relay.py).
     relay_tls: TlsConfig = field(default_factory=TlsConfig)
     relay_send_timeout_s: float = 0.1
+    # Draft only: ping each relay stream's connection this often and give it up when a
+    # ping is not answered in as long (HTTP/2 keepalive, as orchestrator.keepalive_s):
+    # a target whose node died without a reset is rested within twice this, and a new
+    # stream is opened when it is back. At least 1.
+    relay_keepalive_s: float = 10.0
     # The hidden-state wire (specdec/hidden_q.py): at temperature > 0 the draft sends
     # its last hidden state (head dimension + 5 bytes per drafted token, at any
     # vocabulary size) instead of q's list, and the target derives q from it with
@@ -522,11 +527,15 @@ def _validate(cfg: Config) -> None:
         got = sub.keep_freed_mb
         if got > MAX_KEEP_FREED_MB:  # (glibc takes the threshold as a C int of bytes)
             raise ConfigError(f"{section}.keep_freed_mb: must be <= {MAX_KEEP_FREED_MB}, got {got}")
-    for section in ("gateway", "orchestrator"):
-        keepalive_s = getattr(cfg, section).keepalive_s
+    for section, key in (
+        ("gateway", "keepalive_s"),
+        ("orchestrator", "keepalive_s"),
+        ("draft", "relay_keepalive_s"),
+    ):
+        keepalive_s = getattr(getattr(cfg, section), key)
         if keepalive_s < MIN_KEEPALIVE_S:
             raise ConfigError(
-                f"{section}.keepalive_s: must be >= {MIN_KEEPALIVE_S:g} (the services take a"
+                f"{section}.{key}: must be >= {MIN_KEEPALIVE_S:g} (the services take a"
                 f" ping a second at most), got {keepalive_s}"
             )
     if cfg.gateway.chat_template not in CHAT_TEMPLATES:

@@ -37,6 +37,7 @@ def test_the_local_config_gives_each_model_service_one_thread():
         ({**BASE, "orchestrator": {"max_new_tokens": 0}}, "orchestrator.max_new_tokens"),
         ({**BASE, "orchestrator": {"keepalive_s": 0.5}}, "orchestrator.keepalive_s"),
         ({**BASE, "gateway": {"keepalive_s": 0}}, "gateway.keepalive_s"),
+        ({**BASE, "draft": {"model": "d", "relay_keepalive_s": 0}}, "draft.relay_keepalive_s"),
         ({**BASE, "target": {"model": "t", "keep_freed_mb": 4096}}, "target.keep_freed_mb"),
         ({**BASE, "draft": {"model": "d", "pad_vocab": 64, "hidden_q": True}}, "draft.pad_vocab"),
         ({**BASE, "draft": {"model": "d", "pad_vocab": -1}}, "draft.pad_vocab"),

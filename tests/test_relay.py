@@ -358,3 +358,50 @@ def test_a_sender_cancelled_mid_write_leaves_the_shared_relay_stream_alone(
     assert refused == 7, refused
     assert len(troubles) == 7 - cancelled, (troubles, cancelled)
     assert all("no session" in t for t in troubles), troubles
+
+
+@pytest.mark.parametrize("keepalive_s", [1.0, None])
+def test_a_relay_stream_to_a_target_gone_silent_is_given_up_within_twice_the_keepalive(
+    llama_stack, keepalive_s
+):
+    """The draft's relay stream to a target whose node died or was cut off without a
+    reset: nothing tells the connection, and relays written to it are lost (each
+    costing its orchestrator ``relay_timeout_s``) until the kernel's buffers fill.
+    With ``draft.relay_keepalive_s`` the unanswered ping ends the stream within twice
+    that: the draft rests the address, and the next relay after the rest opens a new
+    stream. Without it the stream looks alive for as long as the test waits."""
+    from specdec.local.proxy import FaultProxy
+    from specdec.transport.relay import RelayClient
+
+    host, port = llama_stack.address("target").rsplit(":", 1)
+
+    def late_relay() -> target_pb2.RelayedVerify:  # refused (no session), but no rest
+        return target_pb2.RelayedVerify(relay_token=b"\0" * 16)
+
+    async def go(proxy: FaultProxy) -> tuple[float | None, bool]:
+        from specdec.config import TlsConfig
+
+        client = RelayClient(TlsConfig(), 1 << 20, 5.0, keepalive_s)
+        try:
+            assert (await client.send(proxy.address, late_relay(), late=True))[0]
+            link = client._links[proxy.address]
+            proxy.stall()
+            began = time.monotonic()
+            while not link.broken and time.monotonic() - began < 5.0:
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - began if link.broken else None
+            proxy.pass_through()
+            await asyncio.sleep(1.1)  # the first rest (1 s) is over
+            sent, _ = await client.send(proxy.address, late_relay(), late=True)
+            return took, sent and client._links[proxy.address] is not link
+        finally:
+            await client.aclose()
+
+    with FaultProxy(host, int(port)) as proxy:
+        took, reopened = asyncio.run(go(proxy))
+    print(f"relay keepalive {keepalive_s}: stream given up after {took} s")
+    if keepalive_s:
+        assert took is not None and took < 2 * keepalive_s + 1.5, took
+        assert reopened
+    else:
+        assert took is None

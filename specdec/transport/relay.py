@@ -127,10 +127,17 @@ class RelayClient:
     a relay that cannot work costs its caller one bounded wait per back-off
     (``orchestrator.relay_timeout_s``), not one per step."""
 
-    def __init__(self, tls: TlsConfig, max_message_bytes: int, write_timeout_s: float) -> None:
+    def __init__(
+        self,
+        tls: TlsConfig,
+        max_message_bytes: int,
+        write_timeout_s: float,
+        keepalive_s: float | None = None,
+    ) -> None:
         self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.write_timeout_s = write_timeout_s
+        self.keepalive_s = keepalive_s  # a stream whose target went silent breaks in 2x
         self._links: dict[str, _Link] = {}
         self._resting: dict[str, tuple[float, float]] = {}  # address -> (until, back-off)
 
@@ -162,7 +169,7 @@ class RelayClient:
         if link is None or link.broken:
             if link is not None:
                 await link.aclose()
-            channel = open_channel(address, self.tls, self.max_message_bytes)
+            channel = open_channel(address, self.tls, self.max_message_bytes, self.keepalive_s)
             link = self._links[address] = _Link(channel, lambda why: self.rest(address, why))
         if not await link.send(request, self.write_timeout_s, on_verdict, late):
             self.rest(address, "could not send")
