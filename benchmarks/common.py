@@ -233,6 +233,12 @@ def pick(samples: dict[Sample, float], name: str, **labels: str) -> float:
     return total
 
 
+# The target's threads for passes of plain decoding steps alone, as configs/default.yaml
+# sets it for the local stack on these 2 cores (docs/benchmarks.md, "A second thread for
+# plain passes").
+PLAIN_THREADS = 2
+
+
 def start_services(
     out: Path,
     draft: str,
@@ -243,11 +249,14 @@ def start_services(
     draft_threads: int | None = None,
     settings: dict[str, dict] | None = None,
     repo: Path | None = None,
+    plain_threads: int = PLAIN_THREADS,
 ) -> Stack:
     """Draft, target and orchestrator on free ports (``specdec.local.stack``), logging
     into ``out/logs``; returns once all three are healthy. ``settings``: more config
     keys per section (``{"target": {"packed_linear": False}}``); ``repo``: the
-    services run that checkout's code."""
+    services run that checkout's code; ``plain_threads``: the target's
+    ``plain_torch_threads`` (as configs/default.yaml; a pinned target takes no more
+    than its core)."""
     sections = {
         role: {
             "device": device,
@@ -256,6 +265,8 @@ def start_services(
         }
         for role in ("draft", "target")
     }
+    if plain_threads:
+        sections["target"]["plain_torch_threads"] = plain_threads
     # Generous: a benchmark must not fall back to plain decoding on a slow step.
     sections["orchestrator"] = {"draft_timeout_s": 10.0, "max_concurrent_requests": 32}
     for section, keys in (settings or {}).items():

@@ -760,12 +760,34 @@ def large_vocab_wire(out: Path, plan: Plan, gamma: int) -> dict:
 
 # ---- 9. thread and affinity settings -----------------------------------------------------------
 SETTINGS = {
-    "target 1 thread, draft 1 (default)": {"threads": 1, "draft_threads": 1, "pin": False},
-    "target 2 threads, draft 1": {"threads": 2, "draft_threads": 1, "pin": False},
-    "target 2 threads, draft 2": {"threads": 2, "draft_threads": 2, "pin": False},
+    "target 1 thread, 2 for plain passes, draft 1 (default)": {
+        "threads": 1,
+        "draft_threads": 1,
+        "plain_threads": 2,
+        "pin": False,
+    },
+    "target 1 thread, draft 1": {
+        "threads": 1,
+        "draft_threads": 1,
+        "plain_threads": 0,
+        "pin": False,
+    },
+    "target 2 threads, draft 1": {
+        "threads": 2,
+        "draft_threads": 1,
+        "plain_threads": 0,
+        "pin": False,
+    },
+    "target 2 threads, draft 2": {
+        "threads": 2,
+        "draft_threads": 2,
+        "plain_threads": 0,
+        "pin": False,
+    },
     "pinned: target 1 thread on core 1, draft 1 on core 0": {
         "threads": 1,
         "draft_threads": 1,
+        "plain_threads": 0,
         "pin": True,
     },
 }
@@ -774,12 +796,13 @@ SETTINGS = {
 def settings_section(out: Path, args, plan: Plan) -> dict:
     results = {}
     for name, s in SETTINGS.items():
-        if not (plan.all_settings or name.startswith(("pinned", "target 1 thread"))):
+        if not (plan.all_settings or name.startswith("pinned") or name.endswith("(default)")):
             continue
         folder = out / "settings" / name.split(":")[0].replace(" ", "-").replace(",", "")
         folder.mkdir(parents=True, exist_ok=True)
         stack = start_services(folder, args.draft, args.target, threads=s["threads"],
-                               draft_threads=s["draft_threads"])  # fmt: skip
+                               draft_threads=s["draft_threads"],
+                               plain_threads=s["plain_threads"])  # fmt: skip
         try:
             if s["pin"]:
                 pin_stack(stack)

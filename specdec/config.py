@@ -78,6 +78,11 @@ class ModelServiceConfig:
     grace_period_s: float = 10.0
     # Threads torch may use on the CPU; 0 keeps torch's default.
     torch_threads: int = 0
+    # Target only, CPU: threads for a pass of plain decoding steps alone (the target's
+    # runs of plain tokens, for which no draft works). Where the draft shares this
+    # machine's cores it is idle then, and the target may use its core too; every
+    # other pass keeps torch_threads. 0: torch_threads always (specdec/runtime/forward_loop.py).
+    plain_torch_threads: int = 0
     # Most tokens one forward pass takes across all sessions (continuous
     # batching); longer prefills are cut into chunks of the budget that is left.
     max_batch_tokens: int = 512
@@ -403,6 +408,7 @@ _NON_NEGATIVE = {
     "max_stop_sequences",
     "grace_period_s",
     "torch_threads",
+    "plain_torch_threads",
     "draft_retry_after_s",
     "draft_retry_max_s",
     "target_retry_s",
@@ -516,6 +522,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             "target.pad_vocab: a draft's setting (new tokens would take some of the "
             "target's probability, and its output would no longer be its own)"
+        )
+    if cfg.draft.plain_torch_threads:
+        raise ConfigError(
+            "draft.plain_torch_threads: a target's setting (a draft's passes all draft; "
+            "plain decoding steps run on the target)"
         )
     for section in ("draft", "target"):
         sub = getattr(cfg, section)

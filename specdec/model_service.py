@@ -90,7 +90,8 @@ class ModelService:
             cfg.max_batch_tokens,
             self._observe_batch,
             cfg.batch_wait_ms / 1e3,
-            {"decode": cfg.decode_batch_wait_ms / 1e3},
+            {"decode": cfg.decode_batch_wait_ms / 1e3, "lookahead": cfg.decode_batch_wait_ms / 1e3},
+            self._threads(),
         )
         self.info = ModelInfo(
             model_id=cfg.model,
@@ -155,6 +156,14 @@ class ModelService:
         head = head.to(cfg.device)  # its product runs beside the model's passes
         # The target derives a verify's gamma positions in one product: packed once.
         return head.packed() if self.role == "target" else head
+
+    def _threads(self) -> tuple[int, int]:
+        """The forward loop's torch threads: (usual, for a pass of plain decoding steps
+        alone); (0, 0) leaves them as set (``plain_torch_threads``: CPU only)."""
+        plain = self.cfg.plain_torch_threads
+        if not plain or self.cfg.device != "cpu":
+            return 0, 0
+        return torch.get_num_threads(), plain
 
     def _float32_on_cpu(self) -> bool:
         p = next(self.model.parameters())

@@ -225,7 +225,8 @@ class Verifier(ModelService):
             session.extra.ahead = None
             return False
         self.roll_back_to(session, at)  # (the first time: the verify's rejected drafts)
-        logits, _ = await self.run(self._feed(session, a.fed[-1:]), "decode")  # [1, vocab]
+        # (not "decode": the draft works meanwhile, on the next blocks)
+        logits, _ = await self.run(self._feed(session, a.fed[-1:]), "lookahead")  # [1, vocab]
         metrics.labelled(metrics.LOOKAHEAD_TOKENS, "decoded").inc()
         if session.extra.ahead is a:
             a.rows.append(_own(logits))

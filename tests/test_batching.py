@@ -607,3 +607,60 @@ def test_a_forward_that_fails_late_leaves_every_session_as_it_was(llama_pair, mo
             await loop.aclose()
 
     assert asyncio.run(main()) == [2, 2]  # the loop: each token fed once
+
+
+def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama_pair):
+    """``target.plain_torch_threads``: a pass whose every job is a plain decoding step
+    ("decode": no draft works for it) runs on that many torch threads; a pass with
+    any other job (a verify: the draft drafts between two of them), on the usual
+    count; and never more threads than the cores the process may run on now (a
+    service pinned after it started). The thread count is read inside each forward."""
+    import asyncio
+    import os
+
+    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+
+    runner = RaggedRunner(load_model(str(llama_pair[1])))
+    seen: list[int] = []
+    forward = runner.forward
+
+    def recording(feeds):
+        seen.append(torch.get_num_threads())
+        return forward(feeds)
+
+    runner.forward = recording
+
+    def job(kv):
+        yield Feed(kv, [5], 1)
+
+    async def passes(loop, *kinds) -> list[int]:
+        seen.clear()
+        await asyncio.gather(*(loop.run(job(SessionKV()), kind) for kind in kinds))
+        return list(seen)
+
+    async def main():
+        loop = ForwardLoop(runner, 512, None, threads=(1, 2))
+        loop.start()
+        try:
+            alone = await passes(loop, "decode", "decode")
+            mixed = await passes(loop, "decode", "verify")
+            other = await passes(loop, "prefill")
+            cores = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {min(cores)})
+            try:
+                pinned = await passes(loop, "decode")
+            finally:
+                os.sched_setaffinity(0, cores)
+            return alone, mixed, other, pinned
+        finally:
+            await loop.aclose()
+
+    before = torch.get_num_threads()
+    try:
+        alone, mixed, other, pinned = asyncio.run(main())
+    finally:
+        torch.set_num_threads(before)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert alone == [2], alone  # (both decode jobs in one pass)
+    assert mixed == [1] and other == [1] and pinned == [1], (mixed, other, pinned)

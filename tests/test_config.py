@@ -19,9 +19,12 @@ def test_default_config_loads_and_points_at_the_demo_pair():
 def test_the_local_config_gives_each_model_service_one_thread():
     """configs/default.yaml runs all the services on one machine: a second target
     thread waits for the core the draft holds, and speculation under concurrent load
-    lost a third of its tokens/s that way (docs/benchmarks.md, "Threads under load")."""
+    lost a third of its tokens/s that way (docs/benchmarks.md, "Threads under load").
+    Passes of plain decoding steps alone, for which the draft is idle, take both
+    cores ("A second thread for plain passes")."""
     cfg = load_config(env={})
     assert (cfg.draft.torch_threads, cfg.target.torch_threads) == (1, 1)
+    assert cfg.target.plain_torch_threads == 2 and cfg.draft.plain_torch_threads == 0
 
 
 @pytest.mark.parametrize(
@@ -42,6 +45,11 @@ def test_the_local_config_gives_each_model_service_one_thread():
         ({**BASE, "draft": {"model": "d", "pad_vocab": 64, "hidden_q": True}}, "draft.pad_vocab"),
         ({**BASE, "draft": {"model": "d", "pad_vocab": -1}}, "draft.pad_vocab"),
         ({**BASE, "target": {"model": "t", "pad_vocab": 64}}, "target.pad_vocab"),
+        ({**BASE, "draft": {"model": "d", "plain_torch_threads": 2}}, "draft.plain_torch_threads"),
+        (
+            {**BASE, "target": {"model": "t", "plain_torch_threads": -1}},
+            "target.plain_torch_threads",
+        ),
         ({**BASE, "draft": {"model": "d", "tls": "x"}}, "draft.tls"),
         ({"draft": {"model": "d"}, "target": {}}, "target.model"),
         (

@@ -31,6 +31,14 @@ after the draft's work, which the loop should not sit through. Jobs of a
 ``BACKGROUND`` kind (the draft's guesses: work nobody waits for yet) are never
 waited for, and never wait for others.
 
+Threads (``threads``, CPU): a pass whose every job is a plain decoding step
+(``PLAIN``) may run on more torch threads than the others. No draft works for
+such jobs, so where the draft shares the machine's cores it is idle, and the
+target can use its core too. A pass with any other job keeps the usual count:
+between two verifies the draft drafts, and a second target thread waiting for
+its core would slow both (docs/benchmarks.md, "A second thread for plain
+passes").
+
 A forward that fails (out of device memory, say) fails no job outright when
 it carried several sessions: each of its jobs is run again alone, so that only
 a job that fails alone fails. A session's cache grows only when a forward
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
@@ -62,6 +71,9 @@ Job = Generator[Feed, torch.Tensor, Any]
 LONG_FEED = 64
 # Kinds of job that nobody awaits yet: no forward waits on their account.
 BACKGROUND = frozenset({"guess"})
+# Kinds of job for which no draft works (the target's plain decoding steps): a pass
+# of these alone may take more threads (``ForwardLoop.threads``).
+PLAIN = frozenset({"decode"})
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +111,15 @@ class ForwardLoop:
         on_batch: Callable[[BatchStats], None] | None = None,
         batch_wait_s: float = 0.0,
         kind_wait_s: dict[str, float] | None = None,
+        threads: tuple[int, int] = (0, 0),
     ) -> None:
         self.runner = runner
         self.max_batch_tokens = max_batch_tokens
         self.on_batch = on_batch
         self.batch_wait_s = batch_wait_s
         self.kind_wait_s = kind_wait_s or {}
+        # torch threads for (other passes, a pass of PLAIN jobs alone); (0, 0): as set
+        self.threads = threads
         # The sessions' jobs, by id of their cache, oldest first (one per session).
         self._waiting: dict[int, _Pending] = {}
         # Sessions (by id of their cache) whose job finished in a forward and that may
@@ -252,6 +267,8 @@ class ForwardLoop:
         # What each feed's session held before: a forward that fails after the runner
         # grew them (a device fault shows at the synchronize) must not have grown them.
         before = [(f, f.kv.length, len(f.hidden_out or ())) for _, f in batch]
+        if self.threads[1]:
+            self._set_threads(batch)
         try:
             logits = self.runner.forward([feed for _, feed in batch])
             if logits and logits[0].is_cuda:  # time the work, not the launch
@@ -312,6 +329,17 @@ class ForwardLoop:
             except Exception:  # (metrics): the jobs have their results
                 log.exception("forward loop: on_batch failed")
 
+    def _set_threads(self, batch: list[tuple[_Pending, Feed]]) -> None:
+        """Torch threads for this pass (see the module's docstring): a pass of plain
+        decoding steps alone gets the larger count, but never more threads than the
+        cores the process may run on now (it may have been pinned since it started)."""
+        usual, plain = self.threads
+        n = usual
+        if all(p.kind in PLAIN for p, _ in batch):
+            n = max(usual, min(plain, _cores()))
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
     def _drop_cancelled(self) -> None:
         """Take the jobs whose callers were cancelled out of the loop, and close them."""
         cancelled = [k for k, p in self._waiting.items() if p.future.cancelled()]
@@ -327,6 +355,13 @@ class ForwardLoop:
             p.future.set_exception(error)
         else:
             p.future.set_result(result)
+
+
+def _cores() -> int:
+    """The cores this process may run on now."""
+    if hasattr(os, "sched_getaffinity"):  # (Linux)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _bare(e: BaseException) -> BaseException:
