@@ -664,3 +664,66 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
     if len(os.sched_getaffinity(0)) >= 2:
         assert alone == [2], alone  # (both decode jobs in one pass)
     assert mixed == [1] and other == [1] and pinned == [1], (mixed, other, pinned)
+
+
+@pytest.mark.parametrize(
+    "threads,env,torch_first,expected",
+    [
+        (2, {}, False, "10000"),  # set before torch loads
+        (1, {}, False, None),  # one thread: no idle workers to spin
+        (2, {"OMP_WAIT_POLICY": "active"}, False, None),  # the user's choice
+        (2, {"GOMP_SPINCOUNT": "5"}, False, "5"),
+        (2, {}, True, None),  # too late: libgomp read its settings as it loaded
+    ],
+)
+def test_openmp_idle_workers_spin_briefly_in_a_target_with_plain_threads(
+    threads, env, torch_first, expected
+):
+    """``specdec serve target`` with ``plain_torch_threads`` > 1 sets GOMP_SPINCOUNT
+    before torch loads (``specdec.runtime.openmp``): an idle worker spinning 4-5 ms
+    after a plain pass held the core the draft drafts on next."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        ("import torch\n" if torch_first else "")
+        + "import json, os\nfrom specdec.runtime.openmp import short_spins\n"
+        + f"short_spins({threads})\nprint(json.dumps(os.environ.get('GOMP_SPINCOUNT')))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == expected, out
+
+
+def test_the_target_service_sets_openmp_spins_before_torch_loads():
+    """The serve path calls ``short_spins`` before anything it imports loads torch (a
+    module that did would leave the setting without effect)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom specdec import cli, metrics, tracing\n"
+        "from specdec.transport.server import serve_until_signal\n"
+        "from specdec.runtime.memory import keep_freed\n"
+        "from specdec.runtime.openmp import short_spins\n"
+        "from specdec.config import load_config\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
+    import inspect
+
+    from specdec import cli
+
+    source = inspect.getsource(cli._serve)
+    assert source.index("short_spins(section.plain_torch_threads)") < source.index(
+        "from target_service.servicer import serve"
+    )
