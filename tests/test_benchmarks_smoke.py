@@ -303,6 +303,23 @@ def test_lean_forward_side_by_side_writes_results(tmp_path, llama_pair):
     assert "| draft | 5x8 |" in md and "| seq4@0 |" in md and "| 2 | adaptive |" in md
 
 
+def test_plain_threads_side_by_side_writes_results(tmp_path, llama_pair):
+    """``benchmarks.plain_threads`` on the tiny pair: generate() and both stacks at one
+    client in every mode, both stacks under load, and the report has them."""
+    draft, target = llama_pair
+    run_benchmark(
+        "benchmarks.plain_threads", "--draft", str(draft), "--target", str(target),
+        "--clients", "2", "--repeats", "1", "--warm", "0.2", "--window", "0.5",
+        "--max-new-tokens", "8", "--out", str(tmp_path)
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    one = result["rates"]["one_client"]
+    assert one["generate()@1"][0] > 0 and one["plain passes 2:adaptive@0"][0] > 0
+    assert result["median"]["2 clients, plain, one thread"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| plain | 1 |" in md and "| 2 | adaptive |" in md and "plain / generate()" in md
+
+
 def test_pinning_a_service_pins_every_thread_it_has():
     """Emulating separate machines pins each service's threads, not only its main
     one (gRPC's threads carry every message)."""

@@ -1,0 +1,166 @@
+"""A second target thread for passes of plain decoding steps alone
+(``target.plain_torch_threads``) against one thread for every pass, side by side.
+
+    python -m benchmarks.plain_threads [--repeats 5] [--clients 1 2 4 8 16]
+        [--out results/plain-threads-<time>]
+
+Two stacks of the demo pair that differ only in the target's
+``plain_torch_threads`` (0 and 2; one torch thread per service otherwise, and
+``adaptive_speculate_max_requests`` 2, as configs/default.yaml and ``make
+bench``'s shared stack set them), and the target in this process with 2
+threads (transformers' ``generate()``, what a user with the same 2 cores runs
+instead).
+
+- one client, ``--repeats`` rounds: in each round ``generate()`` and then,
+  through both stacks (their order alternating round by round), plain decoding
+  (gamma 0), sequential gamma 4 and adaptive, greedy and at T=1; 8 prompts x 64
+  tokens each. Paired ratios: plain / ``generate()`` per stack, and each mode's
+  two threads / one;
+- sustained rounds of ``--clients`` clients at T=1 (``benchmarks.sustained``'s
+  rounds), plain and adaptive, the stacks' order alternating.
+
+Prints a table; writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from . import analyze as analyze_mod
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
+from .head_to_head import Choices, Transformers, services_rate
+from .plain_runs import ratios, save_side_by_side, side_by_side_header
+from .run import CONCURRENCY_MODES, sustained_side_by_side
+
+ARMS = {"one thread": 0, "plain passes 2": 2}  # arm -> the target's plain_torch_threads
+MODES = {
+    "plain": {"gamma": 0},
+    "seq4": {"gamma": 4, "overlap": False},
+    "adaptive": {"gamma": None, "seed": None},
+}
+TEMPERATURES = (0.0, 1.0)
+SUSTAINED = ("plain", "adaptive")  # CONCURRENCY_MODES, at T=1
+MAX_NEW = 64
+
+
+def one_client(stacks: dict, hf: Transformers, c: Choices, repeats: int) -> dict[str, list[float]]:
+    """{"generate()@t" or "<arm>:<mode>@t": tok/s per round}, every configuration once
+    to warm up first."""
+    clients = {arm: Client(stack.orchestrator_address) for arm, stack in stacks.items()}
+    rates: dict[str, list[float]] = {}
+    try:
+        for r in range(repeats + 1):  # round 0: the warm-up, not kept
+            for t in TEMPERATURES:
+                got = {f"generate()@{t:g}": hf.rate(None, t, r, 2, None)}
+                for mode, fields in MODES.items():
+                    for arm in ARMS if r % 2 else list(ARMS)[::-1]:
+                        got[f"{arm}:{mode}@{t:g}"] = services_rate(
+                            clients[arm], {"temperature": t, **fields}, r, c
+                        )
+                if r:
+                    for key, rate in got.items():
+                        rates.setdefault(key, []).append(rate)
+            if r:
+                print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()))
+    finally:
+        for client in clients.values():
+            client.close()
+    return rates
+
+
+def report(info: dict, args, one: dict[str, list[float]], sustained: dict) -> list[str]:
+    one_arm, two_arm = ARMS
+    lines = side_by_side_header(
+        "A second target thread for plain passes",
+        info,
+        f"Target plain_torch_threads 0 ({one_arm!r}) against 2 ({two_arm!r}), one torch "
+        f"thread per service otherwise; generate() in this process on 2 threads. One "
+        f"client: {args.repeats} rounds of 8 prompts x {args.max_new_tokens} tokens per "
+        f"configuration, the stacks' order alternating; sustained rounds ({args.warm:g} s "
+        f"not counted, {args.window:g} s counted), T=1, {args.repeats} per configuration.",
+    )
+    lines += ["## One client (tok/s, median; paired ratios: median and rounds)", ""]
+    lines += [
+        "| mode | T | one thread | plain passes 2 | 2 / 1 | rounds |",
+        "|---" * 6 + "|",
+    ]
+    for t in TEMPERATURES:
+        for mode in MODES:
+            a, b = one[f"{one_arm}:{mode}@{t:g}"], one[f"{two_arm}:{mode}@{t:g}"]
+            r = ratios(b, a)
+            lines.append(
+                f"| {mode} | {t:g} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | "
+                f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)} |"
+            )
+    lines += ["", "Plain decoding through the target service / `generate()` (2 threads):", ""]
+    lines += ["| T | generate() tok/s | arm | plain / generate() | rounds |", "|---" * 5 + "|"]
+    for t in TEMPERATURES:
+        hf = one[f"generate()@{t:g}"]
+        for arm in ARMS:
+            r = ratios(one[f"{arm}:plain@{t:g}"], hf)
+            lines.append(
+                f"| {t:g} | {statistics.median(hf):.1f} | {arm} | {statistics.median(r):.3f} | "
+                f"{', '.join(f'{x:.2f}' for x in r)} |"
+            )
+    lines += ["", "## Sustained clients, T=1 (tok/s, median; paired ratios)", ""]
+    lines += ["| clients | mode | one thread | plain passes 2 | 2 / 1 | rounds |", "|---" * 6 + "|"]
+    for n in args.clients:
+        for mode in SUSTAINED:
+            a = sustained[f"{n} clients, {mode}, {one_arm}"]
+            b = sustained[f"{n} clients, {mode}, {two_arm}"]
+            r = ratios(b, a)
+            lines.append(
+                f"| {n} | {mode} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | "
+                f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)} |"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--clients", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
+    ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
+    ap.add_argument("--out", default=f"results/plain-threads-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info("cpu")
+    pair = analyze_mod.load_pair(args.draft, args.target)
+    hf = Transformers(pair, PROMPTS[:8], args.max_new_tokens)
+    c = Choices(PROMPTS[:8], args.max_new_tokens)
+    stacks = {}
+    try:
+        for arm, plain in ARMS.items():
+            stacks[arm] = start_services(
+                out / arm.replace(" ", "-"), args.draft, args.target, threads=1,
+                draft_threads=1, plain_threads=plain,
+                settings={"orchestrator": {"adaptive_speculate_max_requests": 2}},
+            )  # fmt: skip
+        one = one_client(stacks, hf, c, args.repeats)
+        sustained = sustained_side_by_side(
+            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
+            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
+            args.repeats, args.warm, args.window,
+        )  # fmt: skip
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    info["load_average_end"] = list(os.getloadavg())
+    lines = report(info, args, one, sustained)
+    rates = {"one_client": one, **sustained}
+    med = {k: statistics.median(v) for k, v in rates.items() if isinstance(v, list)}
+    save_side_by_side(out, lines, info, rates, med)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
