@@ -233,6 +233,15 @@ def pick(samples: dict[Sample, float], name: str, **labels: str) -> float:
     return total
 
 
+def knows(repo: Path | None, key: str) -> bool:
+    """Whether the services of ``repo`` (None: this checkout) take the config ``key``:
+    an older revision's (``benchmarks.against``) refuses keys it does not know, and
+    runs as it did without them."""
+    if repo is None:
+        return True
+    return f"    {key}:" in (repo / "specdec" / "config.py").read_text()
+
+
 # The target's threads for passes of plain decoding steps alone, as configs/default.yaml
 # sets it for the local stack on these 2 cores (docs/benchmarks.md, "A second thread for
 # plain passes").
@@ -265,7 +274,7 @@ def start_services(
         }
         for role in ("draft", "target")
     }
-    if plain_threads:
+    if plain_threads and knows(repo, "plain_torch_threads"):
         sections["target"]["plain_torch_threads"] = plain_threads
     # Generous: a benchmark must not fall back to plain decoding on a slow step.
     sections["orchestrator"] = {"draft_timeout_s": 10.0, "max_concurrent_requests": 32}

@@ -106,7 +106,9 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         from specdec.runtime.openmp import short_spins
 
         keep_freed(section.keep_freed_mb)  # before the model loads
-        short_spins(section.plain_torch_threads)  # before torch loads
+        short_spins(
+            section.plain_torch_threads, section.torch_threads, section.device
+        )  # (before torch)
     if role == "draft":
         from draft_service.servicer import serve
 

@@ -161,7 +161,7 @@ class ModelService:
         """The forward loop's torch threads: (usual, for a pass of plain decoding steps
         alone); (0, 0) leaves them as set (``plain_torch_threads``: CPU only)."""
         plain = self.cfg.plain_torch_threads
-        if not plain or self.cfg.device != "cpu":
+        if not plain or self.cfg.device.split(":")[0] != "cpu":
             return 0, 0
         return torch.get_num_threads(), plain
 

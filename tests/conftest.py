@@ -32,9 +32,14 @@ def gpt2_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_stack(tmp_path_factory, llama_pair):
     draft, target = llama_pair
-    # q truncated to 16 of the 73 tokens, so the tests exercise a truncated proposal.
+    # q truncated to 16 of the 73 tokens, so the tests exercise a truncated proposal;
+    # plain passes on 2 threads, as configs/default.yaml runs them.
     with local_stack(
-        tmp_path_factory.mktemp("llama-stack"), draft, target, orchestrator__wire_top_k=WIRE_TOP_K
+        tmp_path_factory.mktemp("llama-stack"),
+        draft,
+        target,
+        orchestrator__wire_top_k=WIRE_TOP_K,
+        target__plain_torch_threads=2,
     ) as stack:
         yield stack
 
@@ -42,5 +47,7 @@ def llama_stack(tmp_path_factory, llama_pair):
 @pytest.fixture(scope="session")
 def gpt2_stack(tmp_path_factory, gpt2_pair):
     draft, target = gpt2_pair
-    with local_stack(tmp_path_factory.mktemp("gpt2-stack"), draft, target) as stack:
+    with local_stack(
+        tmp_path_factory.mktemp("gpt2-stack"), draft, target, target__plain_torch_threads=2
+    ) as stack:
         yield stack

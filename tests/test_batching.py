@@ -611,14 +611,16 @@ def test_a_forward_that_fails_late_leaves_every_session_as_it_was(llama_pair, mo
 
 def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama_pair):
     """``target.plain_torch_threads``: a pass whose every job is a plain decoding step
-    ("decode": no draft works for it) runs on that many torch threads; a pass with
-    any other job (a verify: the draft drafts between two of them), on the usual
-    count; and never more threads than the cores the process may run on now (a
-    service pinned after it started). The thread count is read inside each forward."""
+    ("decode": no draft works for it) runs on that many torch threads, once no pass
+    with a verify (around which the draft drafts) has run for ``WIDE_AFTER_S``; a
+    pass with any other job, or one within that time of a verify, on the usual
+    count; never more threads than the cores the process may run on now (a service
+    pinned after it started); and the usual count is back after a wide pass. The
+    thread count is read inside each forward."""
     import asyncio
     import os
 
-    from specdec.runtime.forward_loop import ForwardLoop
+    from specdec.runtime.forward_loop import WIDE_AFTER_S, ForwardLoop
     from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
 
     runner = RaggedRunner(load_model(str(llama_pair[1])))
@@ -637,47 +639,62 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
     async def passes(loop, *kinds) -> list[int]:
         seen.clear()
         await asyncio.gather(*(loop.run(job(SessionKV()), kind) for kind in kinds))
-        return list(seen)
+        return [*seen, torch.get_num_threads()]  # (the count after the passes)
 
     async def main():
         loop = ForwardLoop(runner, 512, None, threads=(1, 2))
         loop.start()
         try:
-            alone = await passes(loop, "decode", "decode")
-            mixed = await passes(loop, "decode", "verify")
-            other = await passes(loop, "prefill")
+            got = {"alone": await passes(loop, "decode", "decode")}  # (one pass)
+            got["mixed"] = await passes(loop, "decode", "verify")
+            got["after a verify"] = await passes(loop, "decode")
+            await asyncio.sleep(WIDE_AFTER_S + 0.01)
+            got["later"] = await passes(loop, "decode")
+            got["prefill"] = await passes(loop, "prefill")
+            got["after a prefill"] = await passes(loop, "decode")
             cores = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {min(cores)})
             try:
-                pinned = await passes(loop, "decode")
+                got["pinned"] = await passes(loop, "decode")
             finally:
                 os.sched_setaffinity(0, cores)
-            return alone, mixed, other, pinned
+            return got
         finally:
             await loop.aclose()
 
     before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        alone, mixed, other, pinned = asyncio.run(main())
+        got = asyncio.run(main())
     finally:
         torch.set_num_threads(before)
-    if len(os.sched_getaffinity(0)) >= 2:
-        assert alone == [2], alone  # (both decode jobs in one pass)
-    assert mixed == [1] and other == [1] and pinned == [1], (mixed, other, pinned)
+    wide = [2, 1] if len(os.sched_getaffinity(0)) >= 2 else [1, 1]
+    assert got == {
+        "alone": wide,
+        "mixed": [1, 1],
+        "after a verify": [1, 1],
+        "later": wide,
+        "prefill": [1, 1],
+        "after a prefill": wide,
+        "pinned": [1, 1],
+    }, got
 
 
 @pytest.mark.parametrize(
-    "threads,env,torch_first,expected",
+    "plain,threads,device,env,torch_first,expected",
     [
-        (2, {}, False, "10000"),  # set before torch loads
-        (1, {}, False, None),  # one thread: no idle workers to spin
-        (2, {"OMP_WAIT_POLICY": "active"}, False, None),  # the user's choice
-        (2, {"GOMP_SPINCOUNT": "5"}, False, "5"),
-        (2, {}, True, None),  # too late: libgomp read its settings as it loaded
+        (2, 1, "cpu", {}, False, "10000"),  # set before torch loads
+        (2, 0, "cpu:0", {}, False, "10000"),
+        (1, 1, "cpu", {}, False, None),  # no pass takes more threads
+        (2, 2, "cpu", {}, False, None),
+        (2, 1, "cuda", {}, False, None),  # the passes run on the GPU
+        (2, 1, "cpu", {"OMP_WAIT_POLICY": "active"}, False, None),  # the user's choice
+        (2, 1, "cpu", {"GOMP_SPINCOUNT": "5"}, False, "5"),
+        (2, 1, "cpu", {}, True, None),  # too late: libgomp read its settings as it loaded
     ],
 )
 def test_openmp_idle_workers_spin_briefly_in_a_target_with_plain_threads(
-    threads, env, torch_first, expected
+    plain, threads, device, env, torch_first, expected
 ):
     """``specdec serve target`` with ``plain_torch_threads`` > 1 sets GOMP_SPINCOUNT
     before torch loads (``specdec.runtime.openmp``): an idle worker spinning 4-5 ms
@@ -690,7 +707,8 @@ def test_openmp_idle_workers_spin_briefly_in_a_target_with_plain_threads(
     code = (
         ("import torch\n" if torch_first else "")
         + "import json, os\nfrom specdec.runtime.openmp import short_spins\n"
-        + f"short_spins({threads})\nprint(json.dumps(os.environ.get('GOMP_SPINCOUNT')))\n"
+        + f"short_spins({plain}, {threads}, {device!r})\n"
+        + "print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))\n"
     )
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run(
@@ -724,6 +742,6 @@ def test_the_target_service_sets_openmp_spins_before_torch_loads():
     from specdec import cli
 
     source = inspect.getsource(cli._serve)
-    assert source.index("short_spins(section.plain_torch_threads)") < source.index(
+    assert source.index("short_spins(section.plain_torch_threads") < source.index(
         "from target_service.servicer import serve"
     )

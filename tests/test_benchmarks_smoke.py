@@ -184,6 +184,19 @@ def test_against_compares_with_an_older_checkout_as_separate_machines(tmp_path, 
     assert after == before
 
 
+def test_a_key_an_older_checkout_does_not_know_is_left_out_of_its_config(tmp_path):
+    """``benchmarks.against REV`` starts REV's services with the benchmarks' settings;
+    a REV from before ``target.plain_torch_threads`` refuses the key as unknown, so
+    its stack is started without it (and runs as it did)."""
+    from benchmarks.common import knows
+
+    old = tmp_path / "old"
+    (old / "specdec").mkdir(parents=True)
+    (old / "specdec" / "config.py").write_text("class C:\n    torch_threads: int = 0\n")
+    assert knows(None, "plain_torch_threads") and knows(REPO, "plain_torch_threads")
+    assert knows(old, "torch_threads") and not knows(old, "plain_torch_threads")
+
+
 def test_step_math_writes_results(tmp_path):
     run_benchmark(
         "benchmarks.step_math", "--steps", "10", "--wire-top-k", "16", "64",

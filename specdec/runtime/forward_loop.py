@@ -32,12 +32,17 @@ after the draft's work, which the loop should not sit through. Jobs of a
 waited for, and never wait for others.
 
 Threads (``threads``, CPU): a pass whose every job is a plain decoding step
-(``PLAIN``) may run on more torch threads than the others. No draft works for
-such jobs, so where the draft shares the machine's cores it is idle, and the
-target can use its core too. A pass with any other job keeps the usual count:
-between two verifies the draft drafts, and a second target thread waiting for
-its core would slow both (docs/benchmarks.md, "A second thread for plain
-passes").
+(``PLAIN``) may run on more torch threads than the others, where the draft
+shares the machine's cores: no draft works for a plain step, and while no
+session speculates the draft is idle and the target can use its core too. So
+a pass of them goes wide only when no pass with a job around which a draft
+works (``DRAFTING``: a verify, the target's own continuation) ran in the last
+``WIDE_AFTER_S``: between two verifies the draft drafts, and a second target
+thread waiting for its core would slow both (docs/benchmarks.md, "A second
+thread for plain passes"). A request's last step, which drafts nothing, and
+plain steps while other sessions speculate stay narrow that way. Any other
+pass (a prefill, a verify) keeps the usual count, and the usual count is back
+as soon as a wide pass ends, for whatever torch work comes next.
 
 A forward that fails (out of device memory, say) fails no job outright when
 it carried several sessions: each of its jobs is run again alone, so that only
@@ -74,6 +79,13 @@ BACKGROUND = frozenset({"guess"})
 # Kinds of job for which no draft works (the target's plain decoding steps): a pass
 # of these alone may take more threads (``ForwardLoop.threads``).
 PLAIN = frozenset({"decode"})
+# Kinds of job around which a draft works (it drafts between a session's verifies;
+# it drafts the next blocks during the target's own continuation): a pass of PLAIN
+# jobs goes wide only once none of these has run for WIDE_AFTER_S, about two
+# speculative steps of the demo pair, so that a session still speculating keeps
+# them narrow.
+DRAFTING = frozenset({"verify", "lookahead"})
+WIDE_AFTER_S = 0.025
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +131,9 @@ class ForwardLoop:
         self.batch_wait_s = batch_wait_s
         self.kind_wait_s = kind_wait_s or {}
         # torch threads for (other passes, a pass of PLAIN jobs alone); (0, 0): as set
-        self.threads = threads
+        usual, plain = threads
+        self.threads = (usual or torch.get_num_threads(), plain) if plain else (0, 0)
+        self._narrow_at = -float("inf")  # when a pass with a DRAFTING job last ran
         # The sessions' jobs, by id of their cache, oldest first (one per session).
         self._waiting: dict[int, _Pending] = {}
         # Sessions (by id of their cache) whose job finished in a forward and that may
@@ -267,8 +281,7 @@ class ForwardLoop:
         # What each feed's session held before: a forward that fails after the runner
         # grew them (a device fault shows at the synchronize) must not have grown them.
         before = [(f, f.kv.length, len(f.hidden_out or ())) for _, f in batch]
-        if self.threads[1]:
-            self._set_threads(batch)
+        wide = self.threads[1] and self._widen(batch)
         try:
             logits = self.runner.forward([feed for _, feed in batch])
             if logits and logits[0].is_cuda:  # time the work, not the launch
@@ -298,6 +311,9 @@ class ForwardLoop:
             for p, _ in batch:  # alone: this job's own failure
                 self._finish(p, error=_bare(e))
             return
+        finally:
+            if wide:
+                torch.set_num_threads(self.threads[0])
         for p, _ in batch:
             p.alone = False
         seconds = time.perf_counter() - start
@@ -329,16 +345,21 @@ class ForwardLoop:
             except Exception:  # (metrics): the jobs have their results
                 log.exception("forward loop: on_batch failed")
 
-    def _set_threads(self, batch: list[tuple[_Pending, Feed]]) -> None:
-        """Torch threads for this pass (see the module's docstring): a pass of plain
-        decoding steps alone gets the larger count, but never more threads than the
-        cores the process may run on now (it may have been pinned since it started)."""
+    def _widen(self, batch: list[tuple[_Pending, Feed]]) -> bool:
+        """Give this pass the larger thread count if it may have it (see the module's
+        docstring), never more threads than the cores the process may run on now (it
+        may have been pinned since it started); returns whether it did."""
+        now = time.perf_counter()
+        if any(p.kind in DRAFTING for p, _ in batch):
+            self._narrow_at = now
+        if not all(p.kind in PLAIN for p, _ in batch):
+            return False
         usual, plain = self.threads
-        n = usual
-        if all(p.kind in PLAIN for p, _ in batch):
-            n = max(usual, min(plain, _cores()))
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)
+        n = min(plain, _cores())
+        if now - self._narrow_at < WIDE_AFTER_S or n <= usual:
+            return False
+        torch.set_num_threads(n)
+        return True
 
     def _drop_cancelled(self) -> None:
         """Take the jobs whose callers were cancelled out of the loop, and close them."""
