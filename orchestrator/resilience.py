@@ -315,14 +315,20 @@ class TargetLink(_Link):
         self.model: str | None = None  # fingerprint of the model this request runs on
 
     async def _open(self) -> None:
+        """Prefill the whole history. A target that kept p for the next position
+        (``next_logits``) needs no pending token in its first verify, and a step that
+        drafts nothing no pass before its first draw; one that did not (an older
+        release) gets the last token again, from one position back."""
         self.cursor = Cursor.fresh(self.history)
         self.session = await self.replica.port.open(
             self.session_id,
-            self.history[:-1],
+            self.history,
             self.params,
             self.budget.left(self.budget.target_timeout_s),
             self.counter,
         )
+        if self.session.next_logits:
+            self.cursor = Cursor(len(self.history), ())
 
     async def open(self) -> None:
         """Pin the least-loaded replica and prefill; a new request fails fast (after

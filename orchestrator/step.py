@@ -38,7 +38,8 @@ class Cursor:
 
     @classmethod
     def fresh(cls, history: Sequence[int]) -> Cursor:
-        """A session prefilled with all of the history but its last token."""
+        """A session prefilled with all of the history but its last token (a draft's;
+        a target's keeps p after the whole history, ``SessionOpened.next_logits``)."""
         return cls(len(history) - 1, (history[-1],))
 
     @property

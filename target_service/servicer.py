@@ -85,7 +85,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _open(self, m: common_pb2.OpenSession):
         session = await self.svc.open(m.session_id, m.tokens, params_from_pb(m.params))
         return session, target_pb2.TargetReply(
-            opened=common_pb2.SessionOpened(cache_len=session.length)
+            opened=common_pb2.SessionOpened(
+                cache_len=session.length, next_logits=session.extra.length == session.length
+            )
         )
 
     async def _step(self, session, kind: str, m: target_pb2.TargetRequest):

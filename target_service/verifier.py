@@ -97,6 +97,14 @@ class Verifier(ModelService):
     async def open(self, session_id: str, tokens, params, extra=None) -> Session:
         return await super().open(session_id, tokens, params, extra=LastLogits())
 
+    def _prefill(self, session: Session, tokens: list[int]) -> Job:
+        """The prompt, keeping p for the next position (``SessionOpened.next_logits``):
+        a first step that drafts nothing then needs no pass of its own before its
+        first token, as ``generate()`` draws its first token from the prefill."""
+        logits = yield Feed(session.kv, tokens, 1)  # [1, vocab]
+        last: LastLogits = session.extra
+        last.rows, last.length = _own(logits), session.length
+
     def check_verify(self, session: Session, cache_len: int, pending, drafts) -> tuple[list, list]:
         """Validated pending and drafted tokens (before anything changes)."""
         pending = self.check_tokens("pending_tokens", pending)

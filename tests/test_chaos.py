@@ -94,6 +94,8 @@ class FakeTarget:
 
 
 class FakeSession:
+    next_logits = False  # (every verify answers from cursor.end alone)
+
     def __init__(self, port: FakeTarget) -> None:
         self.port = port
 

@@ -65,6 +65,10 @@ class SwitchSession:
     def __init__(self, switch: Switch, session) -> None:
         self.switch, self.session = switch, session
 
+    @property
+    def next_logits(self) -> bool:
+        return self.session.next_logits
+
     def cancel_relay(self, seed: int) -> None:
         pass
 

@@ -93,6 +93,45 @@ def test_a_run_stops_after_eos(llama_pair):
     asyncio.run(scenario())
 
 
+def test_the_first_token_comes_from_the_prefill(llama_pair, monkeypatch):
+    """A target's prefill keeps p after the prompt (``SessionOpened.next_logits``), as
+    ``generate()`` draws its first token from its prefill: a first step that drafts
+    nothing sends no pending token, and its first draw needs no pass of its own. An
+    older target that keeps none gets the prompt's last token again, from one position
+    back; the output is the same either way, greedy and sampled."""
+    from orchestrator.ports.local import LocalTargetSession
+
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("first from the prefill")
+    want = _reference(target, ids, 4)
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            v = system.verifier
+            session = await v.open("first", ids, SamplingParams(0.0))
+            assert session.extra.length == len(ids) and session.extra.rows is not None
+            one = await v.verify(session, len(ids), [], [], [], seed=1, run=1)
+            assert one.bonus_token == want[0] and one.forward_s == 0  # no pass
+            run = await v.verify(session, len(ids), [], [], [], seed=1, run=4)
+            assert [run.bonus_token, *run.run_tokens] == want
+            v.close(session)
+            outputs = {}
+            for kept in (True, False):
+                monkeypatch.setattr(LocalTargetSession, "next_logits", kept)
+                for temperature, gamma in ((0.0, 0), (0.0, 3), (1.0, 0), (1.0, 3)):
+                    got, _, _ = await system.generate(
+                        prompt=ids, max_new_tokens=12, temperature=temperature, gamma=gamma, seed=5
+                    )
+                    outputs.setdefault((temperature, gamma), []).append(got)
+            return outputs
+
+    outputs = asyncio.run(scenario())
+    for (temperature, gamma), (kept, not_kept) in outputs.items():
+        assert kept == not_kept, (temperature, gamma)
+        if temperature == 0:
+            assert kept == _reference(target, ids, 12), gamma
+
+
 # ---- the distribution, through the gRPC services ----------------------------------------
 def exact(target_dir, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Marginals of the 2nd and 3rd new token [V] each (after an EOS, only EOS)."""

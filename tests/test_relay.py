@@ -226,6 +226,7 @@ class _LostRelayTarget:
 
 class _LostRelaySession:
     relay_token = b"t" * 16
+    next_logits = False
 
     def __init__(self) -> None:
         self.cancelled: list[int] = []

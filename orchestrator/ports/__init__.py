@@ -122,6 +122,12 @@ class TargetSession(Protocol):
         """What names this session to a relaying draft (empty: no relays)."""
         ...
 
+    @property
+    def next_logits(self) -> bool:
+        """The open kept p for the position after its tokens: the first verify may
+        feed no pending token."""
+        ...
+
     def cancel_relay(self, seed: int) -> None:
         """A relayed verify with this seed was not confirmed: the target must never
         run it, and its verdict, if one comes, is not this session's answer."""

@@ -62,6 +62,7 @@ class LocalDraftSession:
 
 class LocalTargetSession:
     relay_token = b""  # no relays: the engine calls verify itself
+    next_logits = True  # (the verifier's prefill keeps them)
 
     def __init__(self, svc: Verifier, session: Session) -> None:
         self.svc, self.session = svc, session

@@ -133,9 +133,12 @@ class RemoteDraftSession:
 
 
 class RemoteTargetSession:
-    def __init__(self, stream: _Stream, relay_token: bytes = b"") -> None:
+    def __init__(
+        self, stream: _Stream, relay_token: bytes = b"", next_logits: bool = False
+    ) -> None:
         self.stream = stream
         self.relay_token = relay_token
+        self.next_logits = next_logits
         self.cancels: list[int] = []  # seeds of unconfirmed relays, sent with the next verify
 
     def cancel_relay(self, seed: int) -> None:
@@ -313,4 +316,4 @@ class RemoteTarget(_RemotePort):
             )
         )
         stream, reply = await self._open(req, timeout, counter)
-        return RemoteTargetSession(stream, reply.opened.relay_token)
+        return RemoteTargetSession(stream, reply.opened.relay_token, reply.opened.next_logits)

@@ -91,12 +91,14 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., wire_eps: _Optional[float] = ..., wire_bits: _Optional[int] = ..., wire_hidden: _Optional[bool] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("cache_len", "relay_token")
+    __slots__ = ("cache_len", "relay_token", "next_logits")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     RELAY_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     relay_token: bytes
-    def __init__(self, cache_len: _Optional[int] = ..., relay_token: _Optional[bytes] = ...) -> None: ...
+    next_logits: bool
+    def __init__(self, cache_len: _Optional[int] = ..., relay_token: _Optional[bytes] = ..., next_logits: _Optional[bool] = ...) -> None: ...
 
 class Rollback(_message.Message):
     __slots__ = ("cache_len",)
