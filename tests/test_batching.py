@@ -721,27 +721,29 @@ def test_openmp_idle_workers_spin_briefly_in_a_target_with_plain_threads(
     assert json.loads(out.stdout) == expected, out
 
 
-def test_the_target_service_sets_openmp_spins_before_torch_loads():
-    """The serve path calls ``short_spins`` before anything it imports loads torch (a
-    module that did would leave the setting without effect)."""
+def test_the_target_service_sets_openmp_spins_before_torch_loads(tmp_path, llama_pair):
+    """``specdec serve target`` calls ``short_spins`` before anything it imports loads
+    torch (a module that did would leave the setting without effect): the serve path
+    is run in a fresh interpreter up to that call, which records whether torch is
+    loaded and ends the process."""
     import subprocess
     import sys
 
+    from specdec.local.stack import write_config
+
+    path, _ = write_config(tmp_path, *llama_pair, target__plain_torch_threads=2)
     code = (
-        "import sys\nfrom specdec import cli, metrics, tracing\n"
-        "from specdec.transport.server import serve_until_signal\n"
-        "from specdec.runtime.memory import keep_freed\n"
-        "from specdec.runtime.openmp import short_spins\n"
-        "from specdec.config import load_config\n"
-        "print('torch' in sys.modules)\n"
+        "import asyncio, os, sys\n"
+        "import specdec.runtime.openmp as openmp\n"
+        "def record(*args):\n"
+        "    print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', args)\n"
+        "    sys.stdout.flush()\n"
+        "    os._exit(0)\n"
+        "openmp.short_spins = record\n"
+        "from specdec import cli\n"
+        f"asyncio.run(cli._serve('target', {str(path)!r}, []))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", out
-    import inspect
-
-    from specdec import cli
-
-    source = inspect.getsource(cli._serve)
-    assert source.index("short_spins(section.plain_torch_threads") < source.index(
-        "from target_service.servicer import serve"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
+    assert out.stdout.startswith("torch not loaded (2, 1, 'cpu')"), (out.stdout, out.stderr)

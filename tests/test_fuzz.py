@@ -680,6 +680,9 @@ def check_target_reply(m, reply, s: SessionModel) -> None:
         assert reply.opened.cache_len == len(m.open.tokens)
         s.length = len(m.open.tokens)
         s.greedy = m.open.params.temperature == 0
+        # The prefill keeps p for the next position (none without a prefill).
+        assert reply.opened.next_logits == bool(m.open.tokens), reply
+        s.kept_at = s.length if m.open.tokens else -1
     elif kind == "rollback":
         c = m.rollback.cache_len
         assert (reply.rolled_back.cache_len, reply.rolled_back.removed) == (c, s.length - c)
