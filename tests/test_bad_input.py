@@ -174,9 +174,10 @@ TARGET_CASES = [
         "pending_tokens",
     ),
     (
-        # Empty pending tokens need p kept from a last pass that ended at cache_len.
-        "no pending token right after open",
-        [T(open=_open()), T(verify=target_pb2.Verify(cache_len=3))],
+        # Empty pending tokens need p kept from a last pass that ended at cache_len
+        # (the prefill keeps p after its tokens: 3 here, not 2).
+        "no pending token before the prefill's end",
+        [T(open=_open()), T(verify=target_pb2.Verify(cache_len=2))],
         grpc.StatusCode.FAILED_PRECONDITION,
         "pending_tokens",
     ),
