@@ -150,13 +150,16 @@ def _up(config_path: str | None, overrides: list[str]) -> int:
         return 1
     # A stop signal (kill, systemd, docker stop) stops the services as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    procs = start_local(config_path, overrides, gateway=True)
-    print(
-        f"specdec is up: orchestrator (gRPC) {cfg.orchestrator.host}:{cfg.orchestrator.port}, "
-        f"OpenAI-compatible API {gateway_url(cfg, '/v1')} (Ctrl-C stops all four)",
-        flush=True,
-    )
+    procs = start_local(config_path, overrides, gateway=True)  # (stops its own on a signal)
     try:
+        # Inside the try: a stop signal right after this line (a supervisor that waits
+        # for it) stops the services too. Outside it, the signal left them running.
+        print(
+            f"specdec is up: orchestrator (gRPC) {cfg.orchestrator.host}:"
+            f"{cfg.orchestrator.port}, OpenAI-compatible API {gateway_url(cfg, '/v1')} "
+            "(Ctrl-C stops all four)",
+            flush=True,
+        )
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         # (ROLES is start_local's order)
