@@ -25,6 +25,13 @@ MAX_GAMMA = 64
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
 DEVICES = ("cpu", "cuda")
+
+
+def device_kind(device: str) -> str:
+    """The kind of a device setting (``cuda:1`` is ``cuda``), as DEVICES names them."""
+    return device.split(":")[0]
+
+
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 CHAT_TEMPLATES = ("model", "plain-text")
 
@@ -505,7 +512,7 @@ def _validate(cfg: Config) -> None:
                 raise ConfigError(f"{key}: must be a port number 0..65535, got {v}")
     for section in ("draft", "target"):
         sub: ModelServiceConfig = getattr(cfg, section)
-        if sub.device.split(":")[0] not in DEVICES:
+        if device_kind(sub.device) not in DEVICES:
             raise ConfigError(f"{section}.device: must be one of {DEVICES}, got {sub.device!r}")
         if sub.dtype not in DTYPES:
             raise ConfigError(f"{section}.dtype: must be one of {DTYPES}, got {sub.dtype!r}")

@@ -17,7 +17,7 @@ import torch
 
 import specdec
 from specdec import kernels, metrics
-from specdec.config import ConfigError, ModelServiceConfig
+from specdec.config import ConfigError, ModelServiceConfig, device_kind
 from specdec.errors import FailedPrecondition, Unavailable, Unsupported, require
 from specdec.hidden_q import QuantHead
 from specdec.runtime import packed_linear
@@ -161,9 +161,9 @@ class ModelService:
         """The forward loop's torch threads: (usual, for a pass of plain decoding steps
         alone); (0, 0) leaves them as set (``plain_torch_threads``: CPU only)."""
         plain = self.cfg.plain_torch_threads
-        if not plain or self.cfg.device.split(":")[0] != "cpu":
+        if not plain or device_kind(self.cfg.device) != "cpu":
             return 0, 0
-        return torch.get_num_threads(), plain
+        return self.cfg.torch_threads, plain  # (0: the loop reads torch's own count)
 
     def _float32_on_cpu(self) -> bool:
         p = next(self.model.parameters())

@@ -27,6 +27,8 @@ import logging
 import os
 import sys
 
+from specdec.config import device_kind
+
 log = logging.getLogger(__name__)
 
 SPINS = 10_000
@@ -35,8 +37,7 @@ SPINS = 10_000
 def short_spins(plain_threads: int, threads: int, device: str) -> None:
     """Short spins for OpenMP's idle workers where a pass may use ``plain_threads``
     threads, more than ``threads`` (0: torch's default) on the CPU."""
-    more = plain_threads > max(threads, 1) if threads else plain_threads > 1
-    if not more or device.split(":")[0] != "cpu":
+    if plain_threads <= max(threads, 1) or device_kind(device) != "cpu":
         return
     if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
         return
