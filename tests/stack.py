@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from specdec.config import REPO_ROOT
+from specdec.local.forkserver import ENV as FORKSERVER
 from specdec.local.proxy import FaultProxy
 from specdec.local.stack import Stack, free_port, write_config
 from specdec.local.stack import local_stack as _local_stack
@@ -22,6 +26,7 @@ __all__ = [
     "planted_env",
     "proxied_stack",
     "set_args",
+    "specdec_command",
     "write_config",
 ]
 
@@ -43,6 +48,20 @@ def free_port_sets(gateway: bool = False) -> list[str]:
 def set_args(sets: list[str]) -> list[str]:
     """Command-line arguments: ``--set`` before each setting."""
     return [arg for s in sets for arg in ("--set", s)]
+
+
+def specdec_command(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m specdec ARGS`` from the repository's root, as a user runs it: each
+    service it starts a fresh interpreter (not forked from the tests' template), its
+    output piped as text. ``env``: more environment variables."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "specdec", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, FORKSERVER: "0", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def drafted_on(stack: Stack, outcome: str) -> float:

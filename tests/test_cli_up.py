@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from specdec import cli
-from specdec.config import REPO_ROOT
 
-from .stack import free_port_sets, set_args
+from .stack import free_port_sets, set_args, specdec_command
 
 
 def test_up_refuses_a_port_moved_without_its_address(capsys):
@@ -63,16 +60,8 @@ def test_a_stop_signal_stops_every_service_and_a_dead_one_is_named(llama_pair):
     up names it and exits 1 (it exited 0, silently)."""
     draft, target = llama_pair
     sets = free_port_sets(gateway=True) + [f"draft.model={draft}", f"target.model={target}"]
-    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_LOCAL_FORKSERVER"}
     for ending in ("sigterm", "a service dies"):
-        up = subprocess.Popen(
-            [sys.executable, "-m", "specdec", "up", *set_args(sets)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        up = specdec_command("up", *set_args(sets))
         try:
             deadline = time.monotonic() + 240
             line = ""

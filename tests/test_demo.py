@@ -5,24 +5,20 @@ and the estimate of alpha it puts into (1 - alpha^(gamma+1)) / (1 - alpha)."""
 from __future__ import annotations
 
 import io
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from specdec.config import REPO_ROOT
 from specdec.demo import run_demo
-from specdec.local.forkserver import ENV as FORKSERVER
 from specdec.sampling import expected_tokens_per_step
 
-from .stack import free_port_sets, set_args
+from .stack import free_port_sets, set_args, specdec_command
 
 ROLES = ("draft", "target", "orchestrator")
 
@@ -32,14 +28,8 @@ def run_command(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, 
     # TMPDIR: the demo's log folder lands under tmp_path, where the test can look. Its
     # services start as a user's do, each a fresh interpreter (not forked with their
     # imports done, as the other tests' are: tests/conftest.py).
-    env = {**os.environ, "TMPDIR": str(tmp_path), FORKSERVER: "0"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specdec", "demo", *set_args(free_port_sets()), *args],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = specdec_command(
+        "demo", *set_args(free_port_sets()), *args, env={"TMPDIR": str(tmp_path)}
     )
     try:
         out, err = proc.communicate(timeout=timeout)
