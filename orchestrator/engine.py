@@ -528,7 +528,7 @@ class Generation:
                 # The draft sends the proposal straight to the target when it can.
                 relay = None
                 if self.o.relay and not self.spec.dense and self.relay_pays():
-                    relay = self.target.relay_to(target_seed, pit)
+                    relay = self.target.relay_to(target_seed, pit, self.draft_rests(overlap))
                     # The draft drafts the next step on the target's echo, as it will
                     # be asked for: that step's gamma, chosen now (``choose_next``; a
                     # smaller ask near the end takes its first tokens). A step that
@@ -594,8 +594,11 @@ class Generation:
                     )
                 )
         run = 1 if drafts else plain_run
+        rests = self.draft_rests(ahead_task is not None)
         try:
-            verdict = await self.target.verify(proposal, target_seed, self.spec.dense, pit, run)
+            verdict = await self.target.verify(
+                proposal, target_seed, self.spec.dense, pit, run, draft_idle=rests
+            )
         except BaseException:
             if ahead_task is not None:
                 ahead_task.cancel()
@@ -648,6 +651,13 @@ class Generation:
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
         tracing.mark("settled")
         return outcome.tokens
+
+    def draft_rests(self, overlap: bool) -> bool:
+        """Whether the draft does no work while this step's verify runs: the step drafts
+        nothing ahead, and no other request of this orchestrator generates (their
+        drafts would). The target may then run the pass on the draft's core too, where
+        they share a machine (``Verify.draft_idle``)."""
+        return not overlap and self.pipe is None and self.orch.load() <= 1
 
     def apply(self, outcome, verdict) -> None:
         """Move both cursors to where ``outcome`` leaves them, and show its emitted

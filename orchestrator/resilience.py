@@ -367,12 +367,13 @@ class TargetLink(_Link):
             self.model = replica.info.model_fingerprint
             return
 
-    def relay_to(self, seed: int, pit: bool) -> RelayTo | None:
+    def relay_to(self, seed: int, pit: bool, draft_idle: bool = False) -> RelayTo | None:
         """Where a draft may send this step's proposal straight on (None: the session
         takes no relays, or there is none yet)."""
         if self.session is None or not self.session.relay_token or self.relays_failed:
             return None
-        return RelayTo(self.replica.address, self.session.relay_token, self.cursor, seed, pit)
+        token, address = self.session.relay_token, self.replica.address
+        return RelayTo(address, token, self.cursor, seed, pit, draft_idle=draft_idle)
 
     def cancel_relay(self, seed: int) -> None:
         """The relayed verify with this seed was not confirmed: never to be run."""
@@ -387,12 +388,14 @@ class TargetLink(_Link):
         pit: bool = False,
         run: int = 1,
         follow: tuple[int, ...] = (),
+        draft_idle: bool = False,
     ) -> Verdict:
         """The verdict on ``proposal`` from ``self.cursor`` (or a plain run of ``run``
         tokens), riding out restarts. A relayed proposal's q went to the target
         only: if that target fails before its verdict, the step decodes plain on the
         session that replaces it (``Verdict.drafts_dropped``). ``follow``: a
-        pipeline's next verdict (``TargetSession.verify``), relayed in the same way."""
+        pipeline's next verdict (``TargetSession.verify``), relayed in the same way.
+        ``draft_idle``: no draft works meanwhile (``Verify.draft_idle``)."""
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
         dropped = False
@@ -407,7 +410,15 @@ class TargetLink(_Link):
                 if relayed:
                     timeout = min(timeout, self.relay_timeout_s)
                 verdict = await self.session.verify(
-                    self.cursor, proposal, seed, dense_p, timeout, pit, run, follow
+                    self.cursor,
+                    proposal,
+                    seed,
+                    dense_p,
+                    timeout,
+                    pit,
+                    run,
+                    follow,
+                    draft_idle=draft_idle,
                 )
                 self._success()
                 verdict.drafts_dropped = dropped

@@ -209,6 +209,12 @@ TOKENS_PROCESSED = Counter(
     ["role", "kind"],
     registry=None,
 )
+WIDE_PASSES = Counter(
+    "specdec_model_wide_passes_total",
+    "Forward passes run on plain_torch_threads torch threads (no draft worked meanwhile).",
+    ["role", "kind"],
+    registry=None,
+)
 LIVE_SESSIONS = Gauge(
     "specdec_model_live_sessions", "Sessions holding a KV cache.", ["role"], registry=None
 )
@@ -388,6 +394,7 @@ _ORCHESTRATOR_METRICS = (
 _MODEL_METRICS = (
     FORWARD_DURATION,
     TOKENS_PROCESSED,
+    WIDE_PASSES,
     LIVE_SESSIONS,
     CACHED_TOKENS,
     ROLLBACKS,

@@ -225,6 +225,8 @@ class ModelService:
         kind = b.kinds[0] if all(k == b.kinds[0] for k in b.kinds) else "mixed"
         metrics.labelled(metrics.FORWARD_DURATION, self.role, kind).observe(b.seconds)
         metrics.labelled(metrics.TOKENS_PROCESSED, self.role, kind).inc(b.tokens)
+        if b.wide:
+            metrics.labelled(metrics.WIDE_PASSES, self.role, kind).inc()
         self._batch_sessions.observe(b.sessions)
         self._batch_tokens.observe(b.tokens)
         for wait in b.queue_waits:
@@ -282,8 +284,8 @@ class ModelService:
     def _prefill(self, session: Session, tokens: list[int]) -> Job:
         yield Feed(session.kv, tokens, 0)
 
-    async def run(self, job: Job, kind: str) -> Any:
-        return await self.loop.run(job, kind)
+    async def run(self, job: Job, kind: str, wide: bool = False) -> Any:
+        return await self.loop.run(job, kind, wide)
 
     def rollback(self, session: Session, cache_len: int) -> int:
         return self.roll_back_to(session, cache_len)

@@ -117,6 +117,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 v.return_pit,
                 v.run_tokens,
                 v.guess_tokens,
+                v.draft_idle,
             )
             out = target_pb2.Verdict(
                 p_draft=verdict.p_draft,

@@ -93,6 +93,8 @@ class Verifier(ModelService):
             metrics.RESIDUAL_GUESSES.labels(outcome)
         for outcome in ("decoded", "used"):
             metrics.LOOKAHEAD_TOKENS.labels(outcome)
+        for kind in ("decode", "verify"):  # the passes that may take more threads
+            metrics.WIDE_PASSES.labels("target", kind)
 
     async def open(self, session_id: str, tokens, params, extra=None) -> Session:
         return await super().open(session_id, tokens, params, extra=LastLogits())
@@ -125,10 +127,13 @@ class Verifier(ModelService):
         pit: bool = False,
         run: int = 1,
         guesses: Sequence[int] = (),
+        draft_idle: bool = False,
     ) -> Verdict:
         """Roll back to ``cache_len``, then one forward over pending + drafts (a plain
         run of ``run`` tokens: one forward per token). ``guesses``: the draft's guesses
-        of the residual draws (``Verify.guess_tokens``; ignored for greedy requests)."""
+        of the residual draws (``Verify.guess_tokens``; ignored for greedy requests).
+        ``draft_idle``: the caller's draft does no work meanwhile (``Verify.draft_idle``):
+        the pass may take more threads (``ForwardLoop.threads``)."""
         pending, drafts = self.check_verify(session, cache_len, pending, drafts)
         require(
             len(qs) == len(drafts),
@@ -168,6 +173,7 @@ class Verifier(ModelService):
             verdict = await self.run(
                 self._verify(session, pending, drafts, qs, seed, dense_p, pit, run, guesses),
                 kind,
+                wide=draft_idle,
             )
         verdict.compute_s = time.perf_counter() - start
         return verdict

@@ -616,7 +616,9 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
     pass with any other job, or one within that time of a verify, on the usual
     count; never more threads than the cores the process may run on now (a service
     pinned after it started); and the usual count is back after a wide pass. The
-    thread count is read inside each forward."""
+    thread count is read inside each forward. A verify whose caller says its draft
+    is idle (``wide``, ``Verify.draft_idle``) counts as a plain step: wide, and no
+    reason for the next passes to stay narrow."""
     import asyncio
     import os
 
@@ -637,8 +639,10 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
         yield Feed(kv, [5], 1)
 
     async def passes(loop, *kinds) -> list[int]:
+        """One pass of a job of each kind ("verify idle": ``wide``)."""
         seen.clear()
-        await asyncio.gather(*(loop.run(job(SessionKV()), kind) for kind in kinds))
+        runs = (loop.run(job(SessionKV()), k.split()[0], k.endswith(" idle")) for k in kinds)
+        await asyncio.gather(*runs)
         return [*seen, torch.get_num_threads()]  # (the count after the passes)
 
     async def main():
@@ -652,6 +656,12 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
             got["later"] = await passes(loop, "decode")
             got["prefill"] = await passes(loop, "prefill")
             got["after a prefill"] = await passes(loop, "decode")
+            got["idle verify"] = await passes(loop, "verify idle")
+            got["beside a verify"] = await passes(loop, "verify idle", "verify")
+            got["idle, after a verify"] = await passes(loop, "verify idle")
+            await asyncio.sleep(WIDE_AFTER_S + 0.01)
+            got["idle, later"] = await passes(loop, "verify idle", "decode")
+            got["after an idle verify"] = await passes(loop, "decode")
             cores = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {min(cores)})
             try:
@@ -676,6 +686,11 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
         "later": wide,
         "prefill": [1, 1],
         "after a prefill": wide,
+        "idle verify": wide,
+        "beside a verify": [1, 1],
+        "idle, after a verify": [1, 1],
+        "idle, later": wide,
+        "after an idle verify": wide,
         "pinned": [1, 1],
     }, got
 

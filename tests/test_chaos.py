@@ -99,7 +99,18 @@ class FakeSession:
     def __init__(self, port: FakeTarget) -> None:
         self.port = port
 
-    async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1, follow=()):
+    async def verify(
+        self,
+        cursor,
+        proposal,
+        seed,
+        dense_p,
+        timeout,
+        pit=False,
+        run=1,
+        follow=(),
+        draft_idle=False,
+    ):
         await self.port.answer(timeout)
         if self.port.out_of_memory:
             self.port.out_of_memory -= 1

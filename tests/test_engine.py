@@ -198,6 +198,48 @@ def test_above_speculate_max_requests_adaptive_requests_decode_plain(llama_pair,
     asyncio.run(scenario())
 
 
+def test_a_verify_says_the_draft_is_idle_only_when_it_is(llama_pair, monkeypatch):
+    """``Verify.draft_idle``: a step that drafts nothing ahead, with the
+    orchestrator's only request, tells the target that no draft works during its
+    verify (the pass may take the draft's core, ``target.plain_torch_threads``); a
+    step that drafts ahead, and any step while other requests generate, does not.
+    Greedy output is generate()'s either way."""
+    draft, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("an idle draft")
+    want = _reference(target, ids, 16)
+
+    async def scenario():
+        async with in_process(draft, target) as system:
+            said: list[bool] = []
+            run = system.verifier.run
+
+            async def spy(job, kind: str, wide: bool = False):
+                if kind == "verify":
+                    said.append(wide)
+                return await run(job, kind, wide)
+
+            system.verifier.run = spy
+            got = {}
+            for name, load, overlap in (
+                ("sequential", 1, False),
+                ("ahead", 1, True),
+                ("busy", 2, False),
+            ):
+                monkeypatch.setattr(system.orch, "load", lambda load=load: load)
+                said.clear()
+                out, _, stats = await system.generate(
+                    prompt=ids, max_new_tokens=16, temperature=0.0, gamma=3, overlap=overlap
+                )
+                assert out == want, name
+                got[name] = (said.count(True), said.count(False), stats.overlapped_steps)
+            return got
+
+    got = asyncio.run(scenario())
+    assert got["sequential"][0] > 0 and got["sequential"][1] == 0, got
+    assert got["ahead"][1] > 0, got  # (its last steps draft nothing ahead: idle)
+    assert got["busy"][0] == 0 and got["busy"][1] > 0, got
+
+
 def test_a_request_cancelled_during_its_prefills_cancels_both(llama_pair):
     """The client goes away while its draft and target prefills run: both stop, and the
     request's slot is free at once. (Before, the target's prefill ran on to its end or

@@ -5,6 +5,7 @@ relay the orchestrator gave up on must never run or be taken for an answer."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
@@ -101,10 +102,16 @@ class _Relayed:
 def ab_stack(tmp_path_factory, llama_pair):
     """One draft and target; the stack's orchestrator relays (and the draft drafts on),
     a second one does not relay, a third relays without drafting on. The draft guesses
-    sampled residual draws (``sampled_guesses``), which must not depend on the route."""
+    sampled residual draws (``sampled_guesses``), which must not depend on the route.
+    The target runs plain passes, and verifies while the draft is idle, on 2 threads
+    (as configs/default.yaml)."""
     draft, target = llama_pair
     with local_stack(
-        tmp_path_factory.mktemp("relay-ab"), draft, target, draft__sampled_guesses=4
+        tmp_path_factory.mktemp("relay-ab"),
+        draft,
+        target,
+        draft__sampled_guesses=4,
+        target__plain_torch_threads=2,
     ) as stack:
         direct, _ = stack.start_orchestrator(
             "direct",
@@ -119,6 +126,42 @@ def ab_stack(tmp_path_factory, llama_pair):
             {"orchestrator.draft_on": False},
         )
         yield stack, direct, waiting
+
+
+def test_a_lone_sequential_request_lets_its_verifies_take_the_drafts_core(ab_stack):
+    """``Verify.draft_idle``, relayed or sent by the orchestrator: the verify of a
+    step that drafts nothing ahead, with the orchestrator's only request, runs on
+    ``target.plain_torch_threads`` (``specdec_model_wide_passes_total``); one of a
+    step that drafts ahead does not (the draft drafts meanwhile)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no pass takes more threads")
+    stack, direct, _ = ab_stack
+
+    def wide() -> float:
+        return stack.metric("target", "specdec_model_wide_passes_total", 'kind="verify"')
+
+    def relayed() -> float:
+        return stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
+
+    time.sleep(1.2)  # (an earlier test's concurrent requests count as load for a second)
+    got = {}
+    for route, address, overlap in (
+        ("relayed", None, False),
+        ("direct", direct, False),
+        ("ahead", None, True),
+    ):
+        before, relays = wide(), relayed()
+        _, _, stats = stack.generate_raw(
+            address=address, prompt=[3, 9, 27], max_new_tokens=40, temperature=0.0, gamma=3,
+            overlap=overlap,
+        )  # fmt: skip
+        got[route] = (wide() - before, stats.steps, relayed() - relays, stats.overlapped_steps)
+    # Every drafting step's verify (all but at most the last one or two, which may
+    # draft fewer or none) went wide; the relayed ones through the draft's relay.
+    assert got["relayed"][0] >= got["relayed"][1] - 2 and got["relayed"][2] > 0, got
+    assert got["direct"][0] >= got["direct"][1] - 2 and got["direct"][2] == 0, got
+    # Drafting ahead: only steps that drafted nothing ahead (the last ones), if any.
+    assert got["ahead"][0] <= 2, got
 
 
 def _residual_guesses(stack) -> float:
@@ -234,7 +277,18 @@ class _LostRelaySession:
     def cancel_relay(self, seed: int) -> None:
         self.cancelled.append(seed)
 
-    async def verify(self, cursor, proposal, seed, dense_p, timeout, pit=False, run=1, follow=()):
+    async def verify(
+        self,
+        cursor,
+        proposal,
+        seed,
+        dense_p,
+        timeout,
+        pit=False,
+        run=1,
+        follow=(),
+        draft_idle=False,
+    ):
         if proposal is not None and proposal.relayed:
             await asyncio.sleep(timeout)
             raise DeadlineExceeded(f"target: no answer within {timeout:.3g} s")

@@ -69,6 +69,7 @@ class RelayTo:
     pit: bool = False
     draft_on: DraftOn | None = None
     pipeline: PipelineSpec | None = None
+    draft_idle: bool = False  # (``Verify.draft_idle``)
 
 
 class DraftSession(Protocol):
@@ -110,11 +111,13 @@ class TargetSession(Protocol):
         pit: bool = False,
         run: int = 1,
         follow: tuple[int, ...] = (),
+        draft_idle: bool = False,
     ) -> Verdict:
         """The verdict on ``proposal`` (for a relayed one: the verdict the relay
         produces, with nothing sent from here). ``follow``: the next verdict of a
         pipeline, with one of these seeds, nothing sent (``proposal`` is None;
-        ``Verdict.drafts`` says what it judged)."""
+        ``Verdict.drafts`` says what it judged). ``draft_idle``: no draft works
+        meanwhile (``Verify.draft_idle``)."""
         ...
 
     @property

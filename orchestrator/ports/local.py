@@ -80,6 +80,7 @@ class LocalTargetSession:
         pit: bool = False,
         run: int = 1,
         follow: tuple[int, ...] = (),
+        draft_idle: bool = False,
     ) -> Verdict:
         if follow:  # (relay_token is empty: no pipeline starts in one process)
             raise FailedPrecondition("follow: an in-process target session takes no relays")
@@ -109,6 +110,7 @@ class LocalTargetSession:
                 pit,
                 run,
                 guesses,
+                draft_idle,
             )
 
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:

@@ -96,6 +96,7 @@ class RemoteDraftSession:
             v.cache_len = relay.cursor.cache_len
             v.pending_tokens[:] = relay.cursor.pending
             v.seed, v.return_pit = relay.seed, relay.pit
+            v.draft_idle = relay.draft_idle
             if relay.draft_on is not None:
                 on = to.draft_on
                 on.uniforms[:] = relay.draft_on.uniforms
@@ -154,6 +155,7 @@ class RemoteTargetSession:
         pit: bool = False,
         run: int = 1,
         follow: tuple[int, ...] = (),
+        draft_idle: bool = False,
     ) -> Verdict:
         if follow:
             return await self._follow(follow, timeout, pit)
@@ -164,6 +166,7 @@ class RemoteTargetSession:
             return_dense_p=dense_p,
             return_pit=pit,
             run_tokens=run if run > 1 else 0,
+            draft_idle=draft_idle,
         )
         request = None
         if proposal is None or not proposal.relayed:  # a relayed one is at the target

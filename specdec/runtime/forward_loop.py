@@ -32,12 +32,14 @@ after the draft's work, which the loop should not sit through. Jobs of a
 waited for, and never wait for others.
 
 Threads (``threads``, CPU): a pass whose every job is a plain decoding step
-(``PLAIN``) may run on more torch threads than the others, where the draft
-shares the machine's cores: no draft works for a plain step, and while no
-session speculates the draft is idle and the target can use its core too. So
-a pass of them goes wide only when no pass with a job around which a draft
-works (``DRAFTING``: a verify, the target's own continuation) ran in the last
-``WIDE_AFTER_S``: between two verifies the draft drafts, and a second target
+(``PLAIN``) or a job whose caller says no draft works meanwhile (``run``'s
+``wide``: a verify in a step that drafts nothing ahead, the caller's only
+request) may run on more torch threads than the others, where the draft
+shares the machine's cores: the draft is idle then, and the target can use its
+core too. Such a pass goes wide only when no pass with another job around
+which a draft works (``DRAFTING``: a verify, the target's own continuation)
+ran in the last ``WIDE_AFTER_S``: between two such verifies a draft drafts
+(another session's, or the same one drafting ahead), and a second target
 thread waiting for its core would slow both (docs/benchmarks.md, "A second
 thread for plain passes"). A request's last step, which drafts nothing, and
 plain steps while other sessions speculate stay narrow that way. Any other
@@ -81,9 +83,9 @@ BACKGROUND = frozenset({"guess"})
 PLAIN = frozenset({"decode"})
 # Kinds of job around which a draft works (it drafts between a session's verifies;
 # it drafts the next blocks during the target's own continuation): a pass of PLAIN
-# jobs goes wide only once none of these has run for WIDE_AFTER_S, about two
-# speculative steps of the demo pair, so that a session still speculating keeps
-# them narrow.
+# (or ``wide``) jobs goes wide only once none of these (not ``wide``) has run for
+# WIDE_AFTER_S, about two speculative steps of the demo pair, so that a session
+# still speculating beside them keeps them narrow.
 DRAFTING = frozenset({"verify", "lookahead"})
 WIDE_AFTER_S = 0.025
 
@@ -99,6 +101,7 @@ class _Pending:
     kind: str = "step"
     waited: bool = False  # its first forward has run (queue wait recorded)
     alone: bool = False  # its next feed runs in a forward of its own (a shared one failed)
+    wide: bool = False  # no draft works meanwhile: its passes may take more threads
     key: int = 0  # id of its session's cache (its key in ``ForwardLoop._waiting``)
 
 
@@ -111,6 +114,7 @@ class BatchStats:
     seconds: float
     queue_waits: list[float]
     kinds: list[str]
+    wide: bool = False  # it ran on the larger thread count (``ForwardLoop.threads``)
 
 
 class ForwardLoop:
@@ -163,8 +167,10 @@ class ForwardLoop:
         """The session with cache ``kv`` ended: no job of it is coming back."""
         self._returning.pop(id(kv), None)
 
-    async def run(self, job: Job, kind: str = "step") -> Any:
+    async def run(self, job: Job, kind: str = "step", wide: bool = False) -> Any:
         """Drive ``job`` to completion in shared forwards; returns its result.
+        ``wide``: its caller says no draft works while it runs (see the module's
+        docstring, "Threads").
 
         A session (a cache) has one job here at a time. A second one fails at once
         (``Internal``, naming both kinds), and alone: in a forward it would fail the
@@ -183,7 +189,7 @@ class ForwardLoop:
             raise Internal(f"session busy: a {kind} job came while its {busy.kind} job runs")
         future = asyncio.get_running_loop().create_future()
         self._returning.pop(key, None)
-        self._waiting[key] = _Pending(job, future, feed, kind=kind, key=key)
+        self._waiting[key] = _Pending(job, future, feed, kind=kind, key=key, wide=wide)
         self._wake.set()
         try:
             return await future
@@ -324,6 +330,7 @@ class ForwardLoop:
             seconds=seconds,
             queue_waits=waits,
             kinds=[p.kind for p, _ in batch],
+            wide=bool(wide),
         )
         for (p, feed), out in zip(batch, logits, strict=True):
             if feed is not p.feed:  # a chunk: the remainder stays queued
@@ -350,9 +357,9 @@ class ForwardLoop:
         docstring), never more threads than the cores the process may run on now (it
         may have been pinned since it started); returns whether it did."""
         now = time.perf_counter()
-        if any(p.kind in DRAFTING for p, _ in batch):
+        if any(p.kind in DRAFTING and not p.wide for p, _ in batch):
             self._narrow_at = now
-        if not all(p.kind in PLAIN for p, _ in batch):
+        if not all(p.kind in PLAIN or p.wide for p, _ in batch):
             return False
         usual, plain = self.threads
         n = min(plain, _cores())

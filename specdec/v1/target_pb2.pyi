@@ -52,7 +52,7 @@ class TargetReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens", "cancel_relays", "guess_tokens", "chain", "pipeline", "alternates")
+    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens", "cancel_relays", "guess_tokens", "chain", "pipeline", "alternates", "draft_idle")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class Verify(_message.Message):
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDLE_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     pending_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +80,8 @@ class Verify(_message.Message):
     chain: Chain
     pipeline: int
     alternates: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ..., chain: _Optional[_Union[Chain, _Mapping]] = ..., pipeline: _Optional[int] = ..., alternates: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_idle: bool
+    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ..., chain: _Optional[_Union[Chain, _Mapping]] = ..., pipeline: _Optional[int] = ..., alternates: _Optional[_Iterable[int]] = ..., draft_idle: _Optional[bool] = ...) -> None: ...
 
 class Chain(_message.Message):
     __slots__ = ("after_seed", "uniforms", "match", "first_token", "after_rejection", "rejected_at", "residual_token")
