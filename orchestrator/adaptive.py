@@ -289,6 +289,10 @@ class CostModel:
     alpha_greedy: _Ratio = field(default_factory=lambda: _Ratio(0.7, _ALPHA_SMOOTH, prior=True))
     # A forward pass's seconds as a line in the tokens it carries.
     target_pass: _Line = field(default_factory=lambda: _Line(0.01, 0.0005))
+    # ... for verifies that ran wide (the draft idle, the target on its cores too:
+    # ``Verify.draft_idle``), apart; None until one is seen (a target on its own
+    # machine never runs one).
+    target_pass_wide: _Line | None = None
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
     # A pass of a plain run (its mean): runs are timed on their own, not fitted into
     # target_pass. Their passes follow one another, while a verify comes after the
@@ -394,16 +398,21 @@ class CostModel:
         batch_tokens: int,
         passes: int = 1,
         rtt: bool = True,
+        wide: bool = False,
     ) -> None:
         """A verify (``passes`` > 1: a plain run of that many passes; forward_s and
         compute_s are the run's, batch_tokens the mean of its passes). ``rtt`` False:
         ``wall_s`` does not span the round trip (a relayed verify), so only the
-        compute is learnt."""
+        compute is learnt. ``wide``: its pass ran on more threads (``Verdict.wide``)."""
         if compute_s <= 0:
             return
         own = gamma + 1
         if forward_s > 0 and batch_tokens > 0:
-            if gamma:
+            if gamma and wide:
+                if self.target_pass_wide is None:
+                    self.target_pass_wide = _Line(self.target_pass.a, self.target_pass.b)
+                self.target_pass_wide.add(batch_tokens, forward_s / passes)
+            elif gamma:
                 self.target_pass.add(batch_tokens, forward_s / passes)
             else:
                 self.plain_pass_s.add(forward_s / passes)
@@ -427,9 +436,11 @@ class CostModel:
         match: bool = False,
         drafted: bool | None = None,
         pipelined: bool = False,
+        wide: bool = False,
     ) -> None:
         """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
-        ``run`` tokens; ``match``: a greedy one, see ``step_cost``) took ``seconds``.
+        ``run`` tokens; ``match``: a greedy one, see ``step_cost``; ``wide``: its
+        verify ran wide) took ``seconds``.
         ``drafted``: whether it drafted its block (False: drafted ahead during the last
         step's verify); None: unknown, compared with the average step (``step_cost``).
         ``pipelined``: a step of a pipeline (``drafted``: its block came after the
@@ -453,6 +464,7 @@ class CostModel:
             match=match,
             drafted=drafted,
             pipelined=pipelined,
+            wide=wide,
         )
         if kind not in self.measured_s:
             self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
@@ -520,10 +532,13 @@ class CostModel:
             return self.verify_cost(0)
         return self.plain_pass_s.value + self.target_extra_s.value
 
-    def verify_cost(self, gamma: int) -> float:
-        """V(gamma): a pass in which every session sharing it verifies gamma drafts."""
+    def verify_cost(self, gamma: int, wide: bool = False) -> float:
+        """V(gamma): a pass in which every session sharing it verifies gamma drafts
+        (``wide``: a verify while the draft is idle, as such passes measured)."""
         tokens = self.target_sessions.value * (gamma + 1)
-        return self.target_pass(tokens) + self.target_extra_s.value
+        wide = wide and self.target_pass_wide is not None
+        line = self.target_pass_wide if wide else self.target_pass
+        return line(tokens) + self.target_extra_s.value
 
     def step_cost(
         self,
@@ -535,6 +550,7 @@ class CostModel:
         match: bool = False,
         drafted: bool | None = None,
         pipelined: bool = False,
+        wide: bool = False,
     ) -> float:
         """Expected seconds of one step (gamma 0: a plain run of ``run`` tokens),
         scaled by the measured/predicted ratio of its kind of step unless
@@ -551,7 +567,10 @@ class CostModel:
         ``guess_cover`` of them). Otherwise the step also waits for the verdict's echo
         to the draft, its drafting and the relay back: a round trip between the two
         (the one to the draft stands for it) and the drafting. No round trip to this
-        orchestrator: nobody asks for the steps."""
+        orchestrator: nobody asks for the steps.
+
+        ``wide``: a sequential step whose verify runs while the draft is idle, on the
+        draft's cores too (``Verify.draft_idle``), priced as such passes measured."""
         scale = self.calibration(_kind(gamma, overlap, pipelined)) if calibrated else 1.0
         if gamma == 0:
             return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
@@ -564,7 +583,7 @@ class CostModel:
             elif not drafted:
                 wait = 0.0
             return scale * (self.verify_cost(gamma) + wait)
-        verify = self.rtt_target_s.value + self.verify_cost(gamma)
+        verify = self.rtt_target_s.value + self.verify_cost(gamma, wide and not overlap)
         draft = self.rtt_draft_s.value + self.draft_path_cost(gamma)
         if drafted is not None:
             draft = draft if drafted else 0.0
@@ -583,6 +602,7 @@ class CostModel:
         run: int = 1,
         match: bool = False,
         pipelined: bool = False,
+        wide: bool = False,
     ) -> float:
         """Expected tokens per second of one request (gamma 0: plain runs of ``run``).
         A step that chains (every draft accepted, the next block drafted ahead: chance
@@ -593,7 +613,9 @@ class CostModel:
         tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
         if gamma and (overlap or pipelined) and not match:
             tokens -= alpha**gamma
-        cost = self.step_cost(gamma, alpha, overlap, run=run, match=match, pipelined=pipelined)
+        cost = self.step_cost(
+            gamma, alpha, overlap, run=run, match=match, pipelined=pipelined, wide=wide
+        )
         return tokens / cost
 
     def choose(
@@ -605,16 +627,26 @@ class CostModel:
         match: bool = False,
         plain: bool = True,
         pipelined: bool = False,
+        alone: bool = False,
     ) -> tuple[int, bool]:
         """The (gamma, overlap) with the highest expected rate, gamma <= limit; a plain
         step would be a run of ``run`` tokens (``plain`` False: the best drafting
         step); ``match``: a greedy request (``rate``); ``pipelined``: a step that drafts
-        ahead would start a pipeline, and is priced as its steps."""
+        ahead would start a pipeline, and is priced as its steps; ``alone``: the
+        orchestrator's only request, whose sequential steps' verifies run while the
+        draft is idle (``step_cost``'s ``wide``)."""
         best = (0, False)
         best_rate = self.rate(0, alpha, False, run) if plain else 0.0
         for gamma in range(1, min(limit, self.max_gamma) + 1):
             for overlap in (False, True) if allow_overlap else (False,):
-                r = self.rate(gamma, alpha, overlap, match=match, pipelined=overlap and pipelined)
+                r = self.rate(
+                    gamma,
+                    alpha,
+                    overlap,
+                    match=match,
+                    pipelined=overlap and pipelined,
+                    wide=alone and not overlap,
+                )
                 if r > best_rate * 1.0001:
                     best, best_rate = (gamma, overlap), r
         return best
@@ -711,12 +743,15 @@ class RequestPolicy:
         # delays the other sessions' drafts, which no step's own time shows.
         ahead = self.overlap and self.load <= self.model.overlap_max_requests
         piped = ahead and self.pipelined
-        gamma, overlap = self.model.choose(alpha, limit, ahead, run, self.greedy, pipelined=piped)
+        alone = self.load <= 1  # (its sequential steps' verifies run wide: the engine's)
+        gamma, overlap = self.model.choose(
+            alpha, limit, ahead, run, self.greedy, pipelined=piped, alone=alone
+        )
         if gamma == 0 and limit > 0 and self.model.explore(self.load):
             # Keep alpha and the draft's costs current, with the draft that would be
             # chosen if drafting paid: the drafts it judges are the evidence.
             gamma, overlap = self.model.choose(
-                alpha, limit, ahead, 1, self.greedy, False, pipelined=piped
+                alpha, limit, ahead, 1, self.greedy, False, pipelined=piped, alone=alone
             )
         metrics.CHOSEN_GAMMA.observe(gamma)
         return gamma, overlap

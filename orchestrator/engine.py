@@ -646,6 +646,7 @@ class Generation:
             run=1 if drafts else len(outcome.tokens),
             match=match,
             drafted=drafted_now,
+            wide=verdict.wide,
         )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, t1 - t0, t2 - t1, t4 - t3, t4 - t0)
@@ -854,6 +855,7 @@ class Generation:
             verdict.batch_tokens,
             passes=1 + len(verdict.run_tokens),
             rtt=not relayed,
+            wide=verdict.wide,
         )
 
     def observe_draft(self, drafted, t_propose: float) -> None:

@@ -768,6 +768,7 @@ class Verdict:
     compute_s: float = 0.0  # seconds the target service spent on it
     forward_s: float = 0.0  # of which in the forward pass
     batch_tokens: int = 0  # tokens that pass carried, all sessions together
+    wide: bool = False  # that pass ran on more threads than the others (Verify.draft_idle)
     # For the exactness monitor (when asked): x_1..x_gamma, the residual draws, the
     # bonus (2 gamma + 1 entries): p's mass on tokens ranked above each (most probable
     # first, ties by id), and on it.

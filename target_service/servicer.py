@@ -130,6 +130,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 batch_tokens=verdict.batch_tokens,
                 run_tokens=verdict.run_tokens,
                 seed=v.seed,
+                wide=verdict.wide,
             )
             if verdict.mass_above is not None:
                 out.mass_above.extend(verdict.mass_above)

@@ -346,4 +346,5 @@ class Verifier(ModelService):
         if passes:
             verdict.forward_s = sum(b.seconds for b in passes)
             verdict.batch_tokens = round(sum(b.tokens for b in passes) / len(passes))
+            verdict.wide = all(b.wide for b in passes)
         return verdict

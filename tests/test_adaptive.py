@@ -97,6 +97,32 @@ def test_adaptive_requests_draft_ahead_only_while_alone_unless_configured():
     assert RequestPolicy(m, gamma=4, overlap=True, load=8).choose(16) == (4, True)
 
 
+def test_verifies_that_ran_wide_are_timed_apart_and_price_a_lone_requests_sequential_steps():
+    """A verify whose pass ran on the draft's cores too (``Verdict.wide``: the draft
+    idle, a lone request's sequential step) is fitted on a line of its own: until one
+    is seen, every step is priced with the usual passes; once wide ones measure
+    faster, a lone request's sequential steps are priced with them and may win over
+    drafting ahead, while at a load of 2 (no verify runs wide) nothing changes."""
+    m = model(rtt=0.005)
+    assert m.target_pass_wide is None
+    alone = RequestPolicy(m, gamma=None, overlap=True, load=1)
+    busy = RequestPolicy(m, gamma=None, overlap=True, load=2)
+    before_alone, before_busy = alone.choose(16), busy.choose(16)
+    assert before_alone[1]  # drafting ahead hides the draft behind a 10 ms verify
+    assert m.verify_cost(4, wide=True) == m.verify_cost(4)  # no wide pass seen yet
+    narrow = m.verify_cost(4)
+    for gamma in (2, 4, 6) * 10:  # wide passes measured at 60% of the usual
+        forward = 0.6 * m.target_pass(gamma + 1)
+        m.observe_verify(gamma, forward + 0.006, forward, forward, gamma + 1, wide=True)
+    assert m.target_pass(5) * 0.6 == pytest.approx(m.target_pass_wide(5), rel=1e-6)
+    assert m.verify_cost(4) == narrow  # the usual passes' line is untouched
+    assert m.verify_cost(4, wide=True) < 0.7 * narrow
+    assert m.step_cost(4, 0.8, False, wide=True) < m.step_cost(4, 0.8, False)
+    assert m.step_cost(4, 0.8, True, wide=True) == m.step_cost(4, 0.8, True)  # ahead: never
+    assert alone.choose(16)[1] is False  # sequential wins alone now
+    assert busy.choose(16) == before_busy
+
+
 def test_above_speculate_max_requests_adaptive_requests_decode_plain_and_unchecked():
     """``speculate_max_requests`` 2: with up to 2 requests at once the model chooses;
     from 3 adaptive requests decode plain, do not explore, and get no check (its

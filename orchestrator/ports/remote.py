@@ -223,6 +223,7 @@ def _verdict(r: target_pb2.Verdict, pit: bool) -> Verdict:
         compute_s=r.compute_s,
         forward_s=r.forward_s,
         batch_tokens=r.batch_tokens,
+        wide=r.wide,
         mass_above=list(r.mass_above) if pit else None,
         p_at=list(r.p_at) if pit else None,
         p=_dense(r.dense_p, len(r.p_draft) + 1) if r.dense_p else None,

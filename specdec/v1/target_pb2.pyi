@@ -102,7 +102,7 @@ class Chain(_message.Message):
     def __init__(self, after_seed: _Optional[int] = ..., uniforms: _Optional[_Iterable[float]] = ..., match: _Optional[bool] = ..., first_token: _Optional[int] = ..., after_rejection: _Optional[bool] = ..., rejected_at: _Optional[int] = ..., residual_token: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed", "draft_tokens")
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed", "draft_tokens", "wide")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
     Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class Verdict(_message.Message):
     RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WIDE_FIELD_NUMBER: _ClassVar[int]
     p_draft: _containers.RepeatedScalarFieldContainer[float]
     q_draft: _containers.RepeatedScalarFieldContainer[float]
     residual_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -131,4 +132,5 @@ class Verdict(_message.Message):
     run_tokens: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    wide: bool
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., wide: _Optional[bool] = ...) -> None: ...
