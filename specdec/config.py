@@ -85,10 +85,12 @@ class ModelServiceConfig:
     grace_period_s: float = 10.0
     # Threads torch may use on the CPU; 0 keeps torch's default.
     torch_threads: int = 0
-    # Target only, CPU: threads for a pass of plain decoding steps alone (the target's
-    # runs of plain tokens, for which no draft works). Where the draft shares this
-    # machine's cores it is idle then, and the target may use its core too; every
-    # other pass keeps torch_threads. 0: torch_threads always (specdec/runtime/forward_loop.py).
+    # Target only, CPU: threads for a pass during which no draft works: plain decoding
+    # steps alone (the target's runs of plain tokens), or verifies whose orchestrator
+    # says its draft is idle (Verify.draft_idle: a lone request's step drafting nothing
+    # ahead). Where the draft shares this machine's cores, the target may use its core
+    # too; every other pass keeps torch_threads. 0: torch_threads always
+    # (specdec/runtime/forward_loop.py).
     plain_torch_threads: int = 0
     # Most tokens one forward pass takes across all sessions (continuous
     # batching); longer prefills are cut into chunks of the budget that is left.
