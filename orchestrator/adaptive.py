@@ -293,6 +293,10 @@ class CostModel:
     # ``Verify.draft_idle``), apart; None until one is seen (a target on its own
     # machine never runs one).
     target_pass_wide: _Line | None = None
+    # Of the verifies sent saying the draft is idle, the share that ran wide (the
+    # target decides: not within 25 ms of another verify, nor where it has no
+    # plain_torch_threads, as after a failover to such a replica).
+    wide_share: _Ewma = field(default_factory=lambda: _Ewma(0.0))
     draft_pass: _Line = field(default_factory=lambda: _Line(0.001, 0.00005))
     # A pass of a plain run (its mean): runs are timed on their own, not fitted into
     # target_pass. Their passes follow one another, while a verify comes after the
@@ -399,14 +403,19 @@ class CostModel:
         passes: int = 1,
         rtt: bool = True,
         wide: bool = False,
+        idle: bool = False,
     ) -> None:
         """A verify (``passes`` > 1: a plain run of that many passes; forward_s and
         compute_s are the run's, batch_tokens the mean of its passes). ``rtt`` False:
         ``wall_s`` does not span the round trip (a relayed verify), so only the
-        compute is learnt. ``wide``: its pass ran on more threads (``Verdict.wide``)."""
+        compute is learnt. ``wide``: its pass ran on more threads (``Verdict.wide``);
+        ``idle``: it was sent saying the draft is idle (``Verify.draft_idle``)."""
         if compute_s <= 0:
             return
         own = gamma + 1
+        if idle and gamma:
+            self.wide_share.add(1.0 if wide else 0.0)
+            metrics.ESTIMATE.labels("wide_verify_share").set(self.wide_share.value)
         if forward_s > 0 and batch_tokens > 0:
             if gamma and wide:
                 if self.target_pass_wide is None:
@@ -440,7 +449,7 @@ class CostModel:
     ) -> None:
         """A step of ``gamma`` drafts (drafting ahead or not; gamma 0: a plain run of
         ``run`` tokens; ``match``: a greedy one, see ``step_cost``; ``wide``: its
-        verify ran wide) took ``seconds``.
+        verify ran wide, ``Verdict.wide``) took ``seconds``.
         ``drafted``: whether it drafted its block (False: drafted ahead during the last
         step's verify); None: unknown, compared with the average step (``step_cost``).
         ``pipelined``: a step of a pipeline (``drafted``: its block came after the
@@ -464,7 +473,7 @@ class CostModel:
             match=match,
             drafted=drafted,
             pipelined=pipelined,
-            wide=wide,
+            wide=1.0 if wide else 0.0,
         )
         if kind not in self.measured_s:
             self.measured_s[kind], self.predicted_s[kind] = _Ewma(seconds), _Ewma(predicted)
@@ -532,13 +541,14 @@ class CostModel:
             return self.verify_cost(0)
         return self.plain_pass_s.value + self.target_extra_s.value
 
-    def verify_cost(self, gamma: int, wide: bool = False) -> float:
-        """V(gamma): a pass in which every session sharing it verifies gamma drafts
-        (``wide``: a verify while the draft is idle, as such passes measured)."""
+    def verify_cost(self, gamma: int, wide: float = 0.0) -> float:
+        """V(gamma): a pass in which every session sharing it verifies gamma drafts;
+        ``wide`` of it (a share, 0 to 1) priced as the passes that ran wide measured."""
         tokens = self.target_sessions.value * (gamma + 1)
-        wide = wide and self.target_pass_wide is not None
-        line = self.target_pass_wide if wide else self.target_pass
-        return line(tokens) + self.target_extra_s.value
+        seconds = self.target_pass(tokens)
+        if wide and self.target_pass_wide is not None:
+            seconds += wide * (self.target_pass_wide(tokens) - seconds)
+        return seconds + self.target_extra_s.value
 
     def step_cost(
         self,
@@ -550,7 +560,7 @@ class CostModel:
         match: bool = False,
         drafted: bool | None = None,
         pipelined: bool = False,
-        wide: bool = False,
+        wide: float = 0.0,
     ) -> float:
         """Expected seconds of one step (gamma 0: a plain run of ``run`` tokens),
         scaled by the measured/predicted ratio of its kind of step unless
@@ -569,8 +579,8 @@ class CostModel:
         (the one to the draft stands for it) and the drafting. No round trip to this
         orchestrator: nobody asks for the steps.
 
-        ``wide``: a sequential step whose verify runs while the draft is idle, on the
-        draft's cores too (``Verify.draft_idle``), priced as such passes measured."""
+        ``wide``: of a sequential step's verify, the share priced as a pass on the
+        draft's cores too (``verify_cost``; ``Verify.draft_idle``)."""
         scale = self.calibration(_kind(gamma, overlap, pipelined)) if calibrated else 1.0
         if gamma == 0:
             return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
@@ -583,7 +593,7 @@ class CostModel:
             elif not drafted:
                 wait = 0.0
             return scale * (self.verify_cost(gamma) + wait)
-        verify = self.rtt_target_s.value + self.verify_cost(gamma, wide and not overlap)
+        verify = self.rtt_target_s.value + self.verify_cost(gamma, 0.0 if overlap else wide)
         draft = self.rtt_draft_s.value + self.draft_path_cost(gamma)
         if drafted is not None:
             draft = draft if drafted else 0.0
@@ -602,7 +612,7 @@ class CostModel:
         run: int = 1,
         match: bool = False,
         pipelined: bool = False,
-        wide: bool = False,
+        wide: float = 0.0,
     ) -> float:
         """Expected tokens per second of one request (gamma 0: plain runs of ``run``).
         A step that chains (every draft accepted, the next block drafted ahead: chance
@@ -633,10 +643,11 @@ class CostModel:
         step would be a run of ``run`` tokens (``plain`` False: the best drafting
         step); ``match``: a greedy request (``rate``); ``pipelined``: a step that drafts
         ahead would start a pipeline, and is priced as its steps; ``alone``: the
-        orchestrator's only request, whose sequential steps' verifies run while the
-        draft is idle (``step_cost``'s ``wide``)."""
+        orchestrator's only request, whose sequential steps' verifies say the draft is
+        idle, and run wide as often as such verifies did (``wide_share``)."""
         best = (0, False)
         best_rate = self.rate(0, alpha, False, run) if plain else 0.0
+        wide = self.wide_share.value if alone else 0.0
         for gamma in range(1, min(limit, self.max_gamma) + 1):
             for overlap in (False, True) if allow_overlap else (False,):
                 r = self.rate(
@@ -645,7 +656,7 @@ class CostModel:
                     overlap,
                     match=match,
                     pipelined=overlap and pipelined,
-                    wide=alone and not overlap,
+                    wide=0.0 if overlap else wide,
                 )
                 if r > best_rate * 1.0001:
                     best, best_rate = (gamma, overlap), r

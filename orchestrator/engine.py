@@ -510,7 +510,7 @@ class Generation:
         overlap = False
         plain_run = self.plain_run(remaining)  # tokens of this step if it is plain
         pit = not self.spec.params.greedy and self.orch.monitor.sample_step()
-        relayed = False
+        relayed = relay_idle = False
         u: list[float] = []  # the acceptance test's uniforms, drawn before any draft
         chosen, self.next_choice = self.next_choice, None
         if proposal is None:
@@ -528,7 +528,8 @@ class Generation:
                 # The draft sends the proposal straight to the target when it can.
                 relay = None
                 if self.o.relay and not self.spec.dense and self.relay_pays():
-                    relay = self.target.relay_to(target_seed, pit, self.draft_rests(overlap))
+                    relay_idle = self.draft_rests(overlap)
+                    relay = self.target.relay_to(target_seed, pit, relay_idle)
                     # The draft drafts the next step on the target's echo, as it will
                     # be asked for: that step's gamma, chosen now (``choose_next``; a
                     # smaller ask near the end takes its first tokens). A step that
@@ -594,7 +595,9 @@ class Generation:
                     )
                 )
         run = 1 if drafts else plain_run
-        rests = self.draft_rests(ahead_task is not None)
+        # (A block drafted ahead in the last step may have left the draft guesses to
+        # draft, for that step's rejections: they run until its next propose.)
+        rests = self.draft_rests(ahead_task is not None or not drafted_now)
         try:
             verdict = await self.target.verify(
                 proposal, target_seed, self.spec.dense, pit, run, draft_idle=rests
@@ -637,7 +640,8 @@ class Generation:
             if self.draft is not None and not outcome.chained:
                 await self.draft.rollback()
         t4 = time.perf_counter()
-        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1, relayed)
+        idle = relay_idle if relayed else rests  # (what the verify that ran said)
+        self.observe(proposal if drafted_now else None, verdict, t1 - t0, t2 - t1, relayed, idle)
         self.orch.cost.observe_step(
             len(drafts),
             ahead_task is not None,
@@ -836,13 +840,20 @@ class Generation:
         return max(1, min(remaining, most, self.pushed + 1))
 
     def observe(
-        self, drafted, verdict, t_propose: float, t_verify: float, relayed: bool = False
+        self,
+        drafted,
+        verdict,
+        t_propose: float,
+        t_verify: float,
+        relayed: bool = False,
+        idle: bool = False,
     ) -> None:
         """Feed the cost model with this step's measured times. ``drafted``: the
         proposal drafted in this step (None when it was drafted during the last
         verify, whose time overlapped). ``relayed``: the verify started at the target
         before the proposal's reply came back here, so ``t_verify`` says nothing of
-        the target's round trip (the step's calibration still sees the whole)."""
+        the target's round trip (the step's calibration still sees the whole).
+        ``idle``: the verify said the draft is idle (``Verify.draft_idle``)."""
         cost = self.orch.cost
         self.stats.target_forward_s += verdict.forward_s
         if drafted is not None:
@@ -856,6 +867,7 @@ class Generation:
             passes=1 + len(verdict.run_tokens),
             rtt=not relayed,
             wide=verdict.wide,
+            idle=idle,
         )
 
     def observe_draft(self, drafted, t_propose: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from orchestrator.adaptive import CostModel, PeakLoad, PlainGuard, RequestPolicy, load_bucket
@@ -101,26 +103,40 @@ def test_verifies_that_ran_wide_are_timed_apart_and_price_a_lone_requests_sequen
     """A verify whose pass ran on the draft's cores too (``Verdict.wide``: the draft
     idle, a lone request's sequential step) is fitted on a line of its own: until one
     is seen, every step is priced with the usual passes; once wide ones measure
-    faster, a lone request's sequential steps are priced with them and may win over
-    drafting ahead, while at a load of 2 (no verify runs wide) nothing changes."""
+    faster, a lone request's sequential steps are priced with them, as often as the
+    verifies sent saying the draft is idle ran wide (``wide_share``), and may win
+    over drafting ahead. At a load of 2 (no verify says so) nothing changes; and
+    when idle verifies stop running wide (a failover to a target without
+    plain_torch_threads) the share falls and drafting ahead wins again."""
     m = model(rtt=0.005)
     assert m.target_pass_wide is None
     alone = RequestPolicy(m, gamma=None, overlap=True, load=1)
     busy = RequestPolicy(m, gamma=None, overlap=True, load=2)
     before_alone, before_busy = alone.choose(16), busy.choose(16)
     assert before_alone[1]  # drafting ahead hides the draft behind a 10 ms verify
-    assert m.verify_cost(4, wide=True) == m.verify_cost(4)  # no wide pass seen yet
+    assert m.verify_cost(4, wide=1.0) == m.verify_cost(4)  # no wide pass seen yet
     narrow = m.verify_cost(4)
     for gamma in (2, 4, 6) * 10:  # wide passes measured at 60% of the usual
         forward = 0.6 * m.target_pass(gamma + 1)
-        m.observe_verify(gamma, forward + 0.006, forward, forward, gamma + 1, wide=True)
+        m.observe_verify(gamma, forward + 0.006, forward, forward, gamma + 1, wide=True, idle=True)
     assert m.target_pass(5) * 0.6 == pytest.approx(m.target_pass_wide(5), rel=1e-6)
+    assert m.wide_share.value == 1.0
     assert m.verify_cost(4) == narrow  # the usual passes' line is untouched
-    assert m.verify_cost(4, wide=True) < 0.7 * narrow
-    assert m.step_cost(4, 0.8, False, wide=True) < m.step_cost(4, 0.8, False)
-    assert m.step_cost(4, 0.8, True, wide=True) == m.step_cost(4, 0.8, True)  # ahead: never
+    assert m.verify_cost(4, wide=1.0) < 0.7 * narrow
+    assert m.verify_cost(4, wide=0.5) == pytest.approx(
+        (m.verify_cost(4) + m.verify_cost(4, wide=1.0)) / 2
+    )
+    assert m.step_cost(4, 0.8, False, wide=1.0) < m.step_cost(4, 0.8, False)
+    assert m.step_cost(4, 0.8, True, wide=1.0) == m.step_cost(4, 0.8, True)  # ahead: never
     assert alone.choose(16)[1] is False  # sequential wins alone now
     assert busy.choose(16) == before_busy
+    for _ in range(80):  # idle verifies that ran narrow (usual passes' times)
+        forward = m.target_pass(5)
+        m.observe_verify(4, forward + 0.005, forward, forward, 5, wide=False, idle=True)
+    assert m.wide_share.value < 0.001
+    never_wide = copy.deepcopy(m)
+    never_wide.target_pass_wide = None
+    assert alone.choose(16) == RequestPolicy(never_wide, None, True, load=1).choose(16)
 
 
 def test_above_speculate_max_requests_adaptive_requests_decode_plain_and_unchecked():

@@ -618,7 +618,9 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
     pinned after it started); and the usual count is back after a wide pass. The
     thread count is read inside each forward. A verify whose caller says its draft
     is idle (``wide``, ``Verify.draft_idle``) counts as a plain step: wide, and no
-    reason for the next passes to stay narrow."""
+    reason for the next passes to stay narrow; but not within that time of another
+    session's such verify, nor in a pass with one (each caller knows only its own
+    draft, which drafts while the other session's verify runs)."""
     import asyncio
     import os
 
@@ -638,10 +640,15 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
     def job(kv):
         yield Feed(kv, [5], 1)
 
-    async def passes(loop, *kinds) -> list[int]:
-        """One pass of a job of each kind ("verify idle": ``wide``)."""
+    async def passes(loop, *kinds, kvs=None) -> list[int]:
+        """One pass of a job of each kind ("verify idle": ``wide``), each of a new
+        session unless ``kvs`` names theirs."""
         seen.clear()
-        runs = (loop.run(job(SessionKV()), k.split()[0], k.endswith(" idle")) for k in kinds)
+        kvs = kvs or [SessionKV() for _ in kinds]
+        runs = (
+            loop.run(job(kv), k.split()[0], k.endswith(" idle"))
+            for k, kv in zip(kinds, kvs, strict=True)
+        )
         await asyncio.gather(*runs)
         return [*seen, torch.get_num_threads()]  # (the count after the passes)
 
@@ -662,6 +669,13 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
             await asyncio.sleep(WIDE_AFTER_S + 0.01)
             got["idle, later"] = await passes(loop, "verify idle", "decode")
             got["after an idle verify"] = await passes(loop, "decode")
+            mine = SessionKV()
+            await asyncio.sleep(WIDE_AFTER_S + 0.01)
+            got["one session's"] = await passes(loop, "verify idle", kvs=[mine])
+            got["one session's"] += await passes(loop, "verify idle", kvs=[mine])
+            got["another session's"] = await passes(loop, "verify idle")
+            await asyncio.sleep(WIDE_AFTER_S + 0.01)
+            got["two sessions' in one pass"] = await passes(loop, "verify idle", "verify idle")
             cores = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {min(cores)})
             try:
@@ -691,6 +705,9 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
         "idle, after a verify": [1, 1],
         "idle, later": wide,
         "after an idle verify": wide,
+        "one session's": wide + wide,
+        "another session's": [1, 1],
+        "two sessions' in one pass": [1, 1],
         "pinned": [1, 1],
     }, got
 

@@ -103,15 +103,11 @@ def ab_stack(tmp_path_factory, llama_pair):
     """One draft and target; the stack's orchestrator relays (and the draft drafts on),
     a second one does not relay, a third relays without drafting on. The draft guesses
     sampled residual draws (``sampled_guesses``), which must not depend on the route.
-    The target runs plain passes, and verifies while the draft is idle, on 2 threads
-    (as configs/default.yaml)."""
+    (The target runs every pass on one thread: whether a pass takes more,
+    ``plain_torch_threads``, depends on timing, and its logits' last bits with it.)"""
     draft, target = llama_pair
     with local_stack(
-        tmp_path_factory.mktemp("relay-ab"),
-        draft,
-        target,
-        draft__sampled_guesses=4,
-        target__plain_torch_threads=2,
+        tmp_path_factory.mktemp("relay-ab"), draft, target, draft__sampled_guesses=4
     ) as stack:
         direct, _ = stack.start_orchestrator(
             "direct",
@@ -128,14 +124,17 @@ def ab_stack(tmp_path_factory, llama_pair):
         yield stack, direct, waiting
 
 
-def test_a_lone_sequential_request_lets_its_verifies_take_the_drafts_core(ab_stack):
+def test_a_lone_sequential_request_lets_its_verifies_take_the_drafts_core(llama_stack):
     """``Verify.draft_idle``, relayed or sent by the orchestrator: the verify of a
     step that drafts nothing ahead, with the orchestrator's only request, runs on
     ``target.plain_torch_threads`` (``specdec_model_wide_passes_total``); one of a
     step that drafts ahead does not (the draft drafts meanwhile)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: no pass takes more threads")
-    stack, direct, _ = ab_stack
+    stack = llama_stack  # (plain_torch_threads 2)
+    direct, _ = stack.start_orchestrator(
+        "wide-direct", stack.address("draft"), stack.address("target"), {"orchestrator.relay": False}
+    )
 
     def wide() -> float:
         return stack.metric("target", "specdec_model_wide_passes_total", 'kind="verify"')

@@ -42,9 +42,13 @@ ran in the last ``WIDE_AFTER_S``: between two such verifies a draft drafts
 (another session's, or the same one drafting ahead), and a second target
 thread waiting for its core would slow both (docs/benchmarks.md, "A second
 thread for plain passes"). A request's last step, which drafts nothing, and
-plain steps while other sessions speculate stay narrow that way. Any other
-pass (a prefill, a verify) keeps the usual count, and the usual count is back
-as soon as a wide pass ends, for whatever torch work comes next.
+plain steps while other sessions speculate stay narrow that way. A verify
+marked ``wide`` counts as such another job when a different session's marked
+verify ran within that time, or shares its pass: each caller knows only its
+own draft (two orchestrators' lone requests on one target), and one
+session's draft drafts while the other's verify runs. Any other pass (a
+prefill, an unmarked verify) keeps the usual count, and the usual count is
+back as soon as a wide pass ends, for whatever torch work comes next.
 
 A forward that fails (out of device memory, say) fails no job outright when
 it carried several sessions: each of its jobs is run again alone, so that only
@@ -138,6 +142,8 @@ class ForwardLoop:
         usual, plain = threads
         self.threads = (usual or torch.get_num_threads(), plain) if plain else (0, 0)
         self._narrow_at = -float("inf")  # when a pass with a DRAFTING job last ran
+        # The session (key) of the last DRAFTING job marked ``wide``, and when it ran.
+        self._marked = (0, -float("inf"))
         # The sessions' jobs, by id of their cache, oldest first (one per session).
         self._waiting: dict[int, _Pending] = {}
         # Sessions (by id of their cache) whose job finished in a forward and that may
@@ -357,8 +363,17 @@ class ForwardLoop:
         docstring), never more threads than the cores the process may run on now (it
         may have been pinned since it started); returns whether it did."""
         now = time.perf_counter()
-        if any(p.kind in DRAFTING and not p.wide for p, _ in batch):
-            self._narrow_at = now
+        drafting = [p for p, _ in batch if p.kind in DRAFTING]
+        if drafting:
+            # A marked verify's caller vouches for its own draft only.
+            keys = {p.key for p in drafting}
+            key, at = self._marked
+            other = key not in keys and now - at < WIDE_AFTER_S
+            if other or len(keys) > 1 or not all(p.wide for p in drafting):
+                self._narrow_at = now
+            marked = [p.key for p in drafting if p.wide]
+            if marked:
+                self._marked = (marked[-1], now)
         if not all(p.kind in PLAIN or p.wide for p, _ in batch):
             return False
         usual, plain = self.threads
