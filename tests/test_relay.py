@@ -133,7 +133,10 @@ def test_a_lone_sequential_request_lets_its_verifies_take_the_drafts_core(llama_
         pytest.skip("one core: no pass takes more threads")
     stack = llama_stack  # (plain_torch_threads 2)
     direct, _ = stack.start_orchestrator(
-        "wide-direct", stack.address("draft"), stack.address("target"), {"orchestrator.relay": False}
+        "wide-direct",
+        stack.address("draft"),
+        stack.address("target"),
+        {"orchestrator.relay": False},
     )
 
     def wide() -> float:
