@@ -41,6 +41,31 @@ def test_an_inbox_takes_its_own_relays_and_refuses_cancelled_or_unknown_ones():
     asyncio.run(go())
 
 
+def test_one_broken_stream_rests_its_address_once_however_many_sends_it_fails():
+    """The sends in flight when a relay stream breaks all fail: one failure, one
+    back-off (1 s), not one doubling per send; a failure after the rest doubles it,
+    up to 30 s."""
+    from specdec.config import TlsConfig
+    from specdec.transport.relay import RelayClient
+
+    async def go():
+        client = RelayClient(TlsConfig(), 1 << 20, 0.1)
+        loop = asyncio.get_running_loop()
+        for _ in range(4):  # four sends of one broken stream
+            client.rest("t:1", "stream ended")
+        until, backoff = client._resting["t:1"]
+        assert backoff == 1.0 and until - loop.time() <= 1.0
+        client._resting["t:1"] = (loop.time() - 0.01, backoff)  # the rest is over
+        client.rest("t:1", "could not send")  # failing again: doubled
+        assert client._resting["t:1"][1] == 2.0
+        for _ in range(10):
+            client._resting["t:1"] = (loop.time() - 0.01, client._resting["t:1"][1])
+            client.rest("t:1", "could not send")
+        assert client._resting["t:1"][1] == 30.0
+
+    asyncio.run(go())
+
+
 def _relay(token: bytes, cursor: Cursor, seed: int, tag: int) -> target_pb2.RelayedVerify:
     verify = target_pb2.Verify(cache_len=cursor.cache_len, pending_tokens=cursor.pending, seed=seed)
     return target_pb2.RelayedVerify(relay_token=token, verify=verify, tag=tag)

@@ -142,9 +142,15 @@ class RelayClient:
         self._resting: dict[str, tuple[float, float]] = {}  # address -> (until, back-off)
 
     def rest(self, address: str, why: str) -> None:
-        """No relays to ``address`` for a while (doubling while it keeps failing)."""
+        """No relays to ``address`` for a while (doubling while it keeps failing).
+
+        Already resting: the other sends that were in flight when its stream broke
+        fail too, and they are the same failure, not more (each doubled the
+        back-off: four in flight made one broken stream rest it 8 s, not 1)."""
         loop = asyncio.get_running_loop()
-        _, backoff = self._resting.get(address, (0.0, 0.0))
+        until, backoff = self._resting.get(address, (0.0, 0.0))
+        if loop.time() < until:
+            return
         backoff = min(max(backoff * 2, _RETRY_S[0]), _RETRY_S[1])
         self._resting[address] = (loop.time() + backoff, backoff)
         log.warning("relay to %s: %s; none for %.0f s", address, why, backoff)
