@@ -48,8 +48,9 @@ MAX_NEW = 64
 
 
 def one_client(stacks: dict, hf: Transformers, c: Choices, repeats: int) -> dict[str, list[float]]:
-    """{"generate()@t" or "<arm>:<mode>@t": tok/s per round}, every configuration once
-    to warm up first."""
+    """{"generate()@t" or "<arm>:<mode>@t": tok/s per round} (arms: ``stacks``' keys,
+    their order alternating round by round), every configuration once to warm up first."""
+    arms = list(stacks)
     clients = {arm: Client(stack.orchestrator_address) for arm, stack in stacks.items()}
     rates: dict[str, list[float]] = {}
     try:
@@ -57,7 +58,7 @@ def one_client(stacks: dict, hf: Transformers, c: Choices, repeats: int) -> dict
             for t in TEMPERATURES:
                 got = {f"generate()@{t:g}": hf.rate(None, t, r, 2, None)}
                 for mode, fields in MODES.items():
-                    for arm in ARMS if r % 2 else list(ARMS)[::-1]:
+                    for arm in arms if r % 2 else arms[::-1]:
                         got[f"{arm}:{mode}@{t:g}"] = services_rate(
                             clients[arm], {"temperature": t, **fields}, r, c
                         )

@@ -103,12 +103,8 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
     metrics.serve_metrics(role, section.metrics_port, section.host)
     if role in ("draft", "target"):
         from specdec.runtime.memory import keep_freed
-        from specdec.runtime.openmp import short_spins
 
         keep_freed(section.keep_freed_mb)  # before the model loads
-        short_spins(
-            section.plain_torch_threads, section.torch_threads, section.device
-        )  # (before torch)
     if role == "draft":
         from draft_service.servicer import serve
 

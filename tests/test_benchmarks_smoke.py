@@ -333,6 +333,33 @@ def test_plain_threads_side_by_side_writes_results(tmp_path, llama_pair):
     assert "| plain | 1 |" in md and "| 2 | adaptive |" in md and "plain / generate()" in md
 
 
+def test_openmp_spins_side_by_side_writes_results(tmp_path, llama_pair, monkeypatch):
+    """``benchmarks.openmp_spins`` on the tiny pair: the spin's CPU reading and both
+    stacks at one client in every mode; and the spin count is set for the processes
+    an arm starts, and the caller's own setting is back afterwards."""
+    from benchmarks.openmp_spins import spin_env
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    with spin_env("10000"):
+        assert os.environ["GOMP_SPINCOUNT"] == "10000"
+    with spin_env(None):
+        assert "GOMP_SPINCOUNT" not in os.environ
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    draft, target = llama_pair
+    run_benchmark(
+        "benchmarks.openmp_spins", "--draft", str(draft), "--target", str(target),
+        "--spins", "10000", "--clients", "--repeats", "1", "--max-new-tokens", "8",
+        "--out", str(tmp_path)
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    one = result["rates"]["one_client"]
+    assert one["libgomp default:seq4@0"][0] > 0 and one["10,000 spins:plain@1"][0] > 0
+    assert set(result["rates"]["idle_spin_ms"]) == {"libgomp default", "10,000 spins"}
+    md = (tmp_path / "results.md").read_text()
+    assert "| plain | 1 | 10,000 spins |" in md and "What a spin costs" in md
+
+
 def test_pinning_a_service_pins_every_thread_it_has():
     """Emulating separate machines pins each service's threads, not only its main
     one (gRPC's threads carry every message)."""
