@@ -35,19 +35,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import analyze as analyze_mod
-from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, start_services
-from .head_to_head import Choices, Transformers
-from .plain_runs import ratios, save_side_by_side, side_by_side_header
-from .plain_threads import MODES, SUSTAINED, TEMPERATURES, one_client
-from .run import CONCURRENCY_MODES, sustained_side_by_side
+from .plain_runs import ratios, side_by_side_header
+from .plain_threads import MODES, SUSTAINED, TEMPERATURES, arm_options, run_arms, save_arms
 
 DEFAULT = "libgomp default"  # the arm with GOMP_SPINCOUNT unset
-MAX_NEW = 64
 # The CPU a process uses in the 50 ms after one 2-thread product (median of 40).
 _SPIN_PROBE = """
 import resource, time, torch
@@ -137,49 +131,19 @@ def report(info: dict, args, spin_ms: dict, one: dict, sustained: dict) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    arm_options(ap, 4, [2], "openmp-spins")
     ap.add_argument("--spins", nargs="*", default=["10000"], help="counts beside the default")
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--clients", type=int, nargs="*", default=[2])
-    ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
-    ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
-    ap.add_argument("--out", default=f"results/openmp-spins-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = machine_info("cpu")
     counts = [None, *args.spins]
     spin_ms = {arm_name(s): idle_spin_ms(s) for s in counts}
     print("idle spin, CPU ms:", spin_ms, flush=True)
-    pair = analyze_mod.load_pair(args.draft, args.target)
-    hf = Transformers(pair, PROMPTS[:8], args.max_new_tokens)
-    c = Choices(PROMPTS[:8], args.max_new_tokens)
-    stacks = {}
-    try:
-        for spins in counts:
-            arm = arm_name(spins)
-            with spin_env(spins):
-                stacks[arm] = start_services(
-                    out / arm.replace(" ", "-").replace(",", ""), args.draft, args.target,
-                    threads=1, draft_threads=1, plain_threads=2,
-                    settings={"orchestrator": {"adaptive_speculate_max_requests": 2}},
-                )  # fmt: skip
-        one = one_client(stacks, hf, c, args.repeats)
-        sustained = sustained_side_by_side(
-            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
-            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
-            args.repeats, args.warm, args.window,
-        ) if args.clients else {}  # fmt: skip
-    finally:
-        for stack in stacks.values():
-            stack.stop()
-    info["load_average_end"] = list(os.getloadavg())
+    spins_of = {arm_name(s): s for s in counts}
+    arms = {arm: {"plain_threads": 2} for arm in spins_of}
+    info, one, sustained = run_arms(args, arms, out, lambda arm: spin_env(spins_of[arm]))
     lines = report(info, args, spin_ms, one, sustained)
-    rates = {"one_client": one, **sustained}
-    med = {k: statistics.median(v) for k, v in rates.items() if isinstance(v, list)}
-    save_side_by_side(out, lines, info, {**rates, "idle_spin_ms": spin_ms}, med)
+    save_arms(out, lines, info, one, sustained, idle_spin_ms=spin_ms)
     return 0
 
 

@@ -25,10 +25,13 @@ Prints a table; writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import analyze as analyze_mod
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
@@ -121,45 +124,75 @@ def report(info: dict, args, one: dict[str, list[float]], sustained: dict) -> li
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _nothing(arm: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def arm_options(ap: argparse.ArgumentParser, repeats: int, clients: list[int], name: str) -> None:
+    """The options of a side-by-side run of stacks (``run_arms``); ``name``: of its
+    default output folder."""
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--clients", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--clients", type=int, nargs="*", default=clients)
     ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
     ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
-    ap.add_argument("--out", default=f"results/plain-threads-{time.strftime('%Y%m%d-%H%M%S')}")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    ap.add_argument("--out", default=f"results/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def run_arms(
+    args, arms: dict[str, dict], out: Path, around: Callable[[str], Any] = _nothing
+) -> tuple[dict, dict, dict]:
+    """One stack of the pair per arm (arm -> ``start_services``' keyword arguments; one
+    torch thread per service and ``adaptive_speculate_max_requests`` 2, as
+    configs/default.yaml; each started inside the context ``around(arm)``),
+    ``one_client``'s rounds with ``generate()`` and then sustained rounds of
+    ``args.clients`` clients (none: skipped); every stack stopped at the end.
+    Returns (machine info, one client's rates, sustained rates)."""
     info = machine_info("cpu")
     pair = analyze_mod.load_pair(args.draft, args.target)
     hf = Transformers(pair, PROMPTS[:8], args.max_new_tokens)
     c = Choices(PROMPTS[:8], args.max_new_tokens)
     stacks = {}
     try:
-        for arm, plain in ARMS.items():
-            stacks[arm] = start_services(
-                out / arm.replace(" ", "-"), args.draft, args.target, threads=1,
-                draft_threads=1, plain_threads=plain,
-                settings={"orchestrator": {"adaptive_speculate_max_requests": 2}},
-            )  # fmt: skip
+        for arm, kwargs in arms.items():
+            with around(arm):
+                stacks[arm] = start_services(
+                    out / arm.replace(" ", "-").replace(",", ""), args.draft, args.target,
+                    threads=1, draft_threads=1,
+                    settings={"orchestrator": {"adaptive_speculate_max_requests": 2}},
+                    **kwargs,
+                )  # fmt: skip
         one = one_client(stacks, hf, c, args.repeats)
         sustained = sustained_side_by_side(
             {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
             {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
             args.repeats, args.warm, args.window,
-        )  # fmt: skip
+        ) if args.clients else {}  # fmt: skip
     finally:
         for stack in stacks.values():
             stack.stop()
     info["load_average_end"] = list(os.getloadavg())
-    lines = report(info, args, one, sustained)
+    return info, one, sustained
+
+
+def save_arms(out: Path, lines: list[str], info: dict, one: dict, sustained: dict, **more) -> None:
+    """``run_arms``' report and rates (and ``more`` of them) to ``out``."""
     rates = {"one_client": one, **sustained}
     med = {k: statistics.median(v) for k, v in rates.items() if isinstance(v, list)}
-    save_side_by_side(out, lines, info, rates, med)
+    save_side_by_side(out, lines, info, {**rates, **more}, med)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    arm_options(ap, 5, [1, 2, 4, 8, 16], "plain-threads")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {arm: {"plain_threads": plain} for arm, plain in ARMS.items()}
+    info, one, sustained = run_arms(args, arms, out)
+    save_arms(out, report(info, args, one, sustained), info, one, sustained)
     return 0
 
 
