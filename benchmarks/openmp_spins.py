@@ -38,7 +38,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .plain_runs import ratios, side_by_side_header
+from .plain_runs import paired, paired_cells, side_by_side_header
 from .plain_threads import MODES, SUSTAINED, TEMPERATURES, arm_options, run_arms, save_arms
 
 DEFAULT = "libgomp default"  # the arm with GOMP_SPINCOUNT unset
@@ -107,11 +107,9 @@ def report(info: dict, args, spin_ms: dict, one: dict, sustained: dict) -> list[
             base = one[f"{DEFAULT}:{mode}@{t:g}"]
             for arm in arms:
                 v = one[f"{arm}:{mode}@{t:g}"]
-                r = ratios(v, base)
                 lines.append(
                     f"| {mode} | {t:g} | {arm} | {statistics.median(v):.1f} | "
-                    f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)} | "
-                    f"{statistics.median(ratios(v, hf)):.3f} |"
+                    f"{paired_cells(v, base)} | {paired(v, hf):.3f} |"
                 )
     if sustained:
         lines += ["", "## Sustained clients, T=1 (tok/s, median; paired ratios)", ""]
@@ -121,10 +119,9 @@ def report(info: dict, args, spin_ms: dict, one: dict, sustained: dict) -> list[
                 base = sustained[f"{n} clients, {mode}, {DEFAULT}"]
                 for arm in arms:
                     v = sustained[f"{n} clients, {mode}, {arm}"]
-                    r = ratios(v, base)
                     lines.append(
                         f"| {n} | {mode} | {arm} | {statistics.median(v):.0f} | "
-                        f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)} |"
+                        f"{paired_cells(v, base)} |"
                     )
     return lines
 
@@ -136,10 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    counts = [None, *args.spins]
-    spin_ms = {arm_name(s): idle_spin_ms(s) for s in counts}
+    spins_of = {arm_name(s): s for s in [None, *args.spins]}
+    spin_ms = {arm: idle_spin_ms(s) for arm, s in spins_of.items()}
     print("idle spin, CPU ms:", spin_ms, flush=True)
-    spins_of = {arm_name(s): s for s in counts}
     arms = {arm: {"plain_threads": 2} for arm in spins_of}
     info, one, sustained = run_arms(args, arms, out, lambda arm: spin_env(spins_of[arm]))
     lines = report(info, args, spin_ms, one, sustained)

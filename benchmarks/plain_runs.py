@@ -85,6 +85,12 @@ def paired(a: list[float], b: list[float]) -> float:
     return statistics.median(ratios(a, b))
 
 
+def paired_cells(a: list[float], b: list[float]) -> str:
+    """Two table cells: the median of the per-round ratios a / b, and the rounds'."""
+    r = ratios(a, b)
+    return f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)}"
+
+
 def _loads(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs)
 

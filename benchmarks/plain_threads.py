@@ -36,7 +36,7 @@ from typing import Any
 from . import analyze as analyze_mod
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, Client, machine_info, start_services
 from .head_to_head import Choices, Transformers, services_rate
-from .plain_runs import ratios, save_side_by_side, side_by_side_header
+from .plain_runs import paired_cells, save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES, sustained_side_by_side
 
 ARMS = {"one thread": 0, "plain passes 2": 2}  # arm -> the target's plain_torch_threads
@@ -95,20 +95,18 @@ def report(info: dict, args, one: dict[str, list[float]], sustained: dict) -> li
     for t in TEMPERATURES:
         for mode in MODES:
             a, b = one[f"{one_arm}:{mode}@{t:g}"], one[f"{two_arm}:{mode}@{t:g}"]
-            r = ratios(b, a)
             lines.append(
                 f"| {mode} | {t:g} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | "
-                f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)} |"
+                f"{paired_cells(b, a)} |"
             )
     lines += ["", "Plain decoding through the target service / `generate()` (2 threads):", ""]
     lines += ["| T | generate() tok/s | arm | plain / generate() | rounds |", "|---" * 5 + "|"]
     for t in TEMPERATURES:
         hf = one[f"generate()@{t:g}"]
         for arm in ARMS:
-            r = ratios(one[f"{arm}:plain@{t:g}"], hf)
             lines.append(
-                f"| {t:g} | {statistics.median(hf):.1f} | {arm} | {statistics.median(r):.3f} | "
-                f"{', '.join(f'{x:.2f}' for x in r)} |"
+                f"| {t:g} | {statistics.median(hf):.1f} | {arm} | "
+                f"{paired_cells(one[f'{arm}:plain@{t:g}'], hf)} |"
             )
     lines += ["", "## Sustained clients, T=1 (tok/s, median; paired ratios)", ""]
     lines += ["| clients | mode | one thread | plain passes 2 | 2 / 1 | rounds |", "|---" * 6 + "|"]
@@ -116,10 +114,9 @@ def report(info: dict, args, one: dict[str, list[float]], sustained: dict) -> li
         for mode in SUSTAINED:
             a = sustained[f"{n} clients, {mode}, {one_arm}"]
             b = sustained[f"{n} clients, {mode}, {two_arm}"]
-            r = ratios(b, a)
             lines.append(
                 f"| {n} | {mode} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | "
-                f"{statistics.median(r):.3f} | {', '.join(f'{x:.2f}' for x in r)} |"
+                f"{paired_cells(b, a)} |"
             )
     return lines
 
