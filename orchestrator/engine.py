@@ -33,7 +33,12 @@ from specdec.errors import (
     Unavailable,
 )
 from specdec.rng import generator, seeds
-from specdec.runtime.loading import ModelInfo, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.loading import (
+    ModelInfo,
+    check_model_path,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from specdec.sampling import Proposal
 from specdec.wire import PROTOCOL_VERSION, WireShape, drop_first
 
@@ -124,9 +129,11 @@ class Orchestrator:
     ) -> None:
         self.cfg = cfg
         o = cfg.orchestrator
-        self.tokenizer = (
-            tokenizer if tokenizer is not None else load_tokenizer(o.tokenizer or cfg.target.model)
-        )
+        if tokenizer is None:
+            key = "orchestrator.tokenizer" if o.tokenizer else "target.model"
+            check_model_path(key, o.tokenizer or cfg.target.model)
+            tokenizer = load_tokenizer(o.tokenizer or cfg.target.model)
+        self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self._slots = asyncio.Semaphore(o.max_concurrent_requests)
         self.live = 0
@@ -137,6 +144,7 @@ class Orchestrator:
         self._resolver: asyncio.Task | None = None
         self.target_pool = target_pool
         self.draft_pool = draft_pool
+        self._local: list = []  # model services in this process (local_pools)
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self.cost = CostModel(
@@ -183,11 +191,31 @@ class Orchestrator:
             self.check_draft,
         )
 
+    def local_pools(self) -> None:
+        """The draft and the target loaded into this process and called directly
+        (``orchestrator.local_models``)."""
+        from draft_service.drafter import Drafter
+        from target_service.verifier import Verifier
+
+        from .ports.local import local_pools
+
+        cfg, o = self.cfg, self.cfg.orchestrator
+        # Each model service sets the process's torch threads as it loads: the
+        # target, loaded last, has the last word.
+        drafter = Drafter(cfg.draft)
+        verifier = Verifier(cfg.target)
+        self._local = [verifier, drafter]
+        for svc in self._local:
+            svc.start()
+        self.target_pool, self.draft_pool = local_pools(
+            drafter, verifier, o.draft_retry_after_s, o.draft_retry_max_s
+        )
+
     async def connect(self) -> None:
         """Find the replicas, wait for a target (and a draft), check they can cooperate."""
         o = self.cfg.orchestrator
         if self.target_pool is None:
-            self.remote_pools()
+            self.local_pools() if o.local_models else self.remote_pools()
         self.target_pool.check = self.check_target
         self.draft_pool.check = self.check_draft
         # A breaker's trial is an open (prefill) and one call, each within its timeout.
@@ -311,6 +339,8 @@ class Orchestrator:
         for pool in (self.draft_pool, self.target_pool):
             if pool is not None:
                 await pool.aclose()
+        for svc in self._local:
+            await svc.aclose()
 
     def spawn(self, coro) -> None:
         """Run ``coro`` in the background, surviving the caller's cancellation."""

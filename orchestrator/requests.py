@@ -141,6 +141,8 @@ def parse(
         stops=list(r.stop),
         seed=r.seed if r.HasField("seed") else secrets.randbits(64),
         dense=r.dense,
-        overlap=r.overlap if r.HasField("overlap") else o.overlap,
+        # In one process (local_models) the two models' passes share one event loop:
+        # a block drafted during a verify would only wait for it.
+        overlap=(r.overlap if r.HasField("overlap") else o.overlap) and not o.local_models,
         max_adaptive_gamma=o.max_gamma,
     )

@@ -22,7 +22,7 @@ import grpc
 
 from specdec.config import ConfigError, load_config
 from specdec.errors import SpecdecError
-from specdec.local.stack import gateway_url, start_local, stop_local
+from specdec.local.stack import gateway_url, service_roles, start_local, stop_local
 
 log = logging.getLogger("specdec")
 ROLES = ("draft", "target", "orchestrator", "gateway")
@@ -100,11 +100,12 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
     # /metrics answers from the start, while a model loads (minutes on a GPU) or the
     # orchestrator waits for the services: Prometheus scrapes pods before they are
     # ready, and a refused scrape is `up == 0`, which SpecdecServiceDown pages on.
-    metrics.serve_metrics(role, section.metrics_port, section.host)
-    if role in ("draft", "target"):
+    local = role == "orchestrator" and cfg.orchestrator.local_models  # models in this process
+    metrics.serve_metrics(role, section.metrics_port, section.host, local)
+    if role in ("draft", "target") or local:
         from specdec.runtime.memory import keep_freed
 
-        keep_freed(section.keep_freed_mb)  # before the model loads
+        keep_freed((cfg.target if local else section).keep_freed_mb)  # before a model loads
     if role == "draft":
         from draft_service.servicer import serve
 
@@ -158,8 +159,8 @@ def _up(config_path: str | None, overrides: list[str]) -> int:
         )
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
-        # (ROLES is start_local's order)
-        dead = [(r, p.poll()) for r, p in zip(ROLES, procs, strict=True) if p.poll() is not None]
+        roles = (*service_roles(cfg), "gateway")  # (start_local's order)
+        dead = [(r, p.poll()) for r, p in zip(roles, procs, strict=True) if p.poll() is not None]
     except KeyboardInterrupt:
         return 0
     finally:
@@ -177,7 +178,7 @@ def _unwired(cfg) -> str:
         ("orchestrator.draft_address", o.draft_address, "draft.port", cfg.draft.port),
         ("orchestrator.target_address", o.target_address, "target.port", cfg.target.port),
         ("gateway.orchestrator_address", g.orchestrator_address, "orchestrator.port", o.port),
-    )
+    )[2 if o.local_models else 0 :]  # (no model services to reach: local_models)
     for key, address, port_key, port in wires:
         if address.rpartition(":")[2] != str(port):
             return (

@@ -173,6 +173,14 @@ class OrchestratorConfig:
     draft_address: str = "127.0.0.1:50051"
     target_address: str = "127.0.0.1:50052"
     resolve_interval_s: float = 10.0
+    # One process: load the draft and the target (their sections' model, device,
+    # dtype, ...) into the orchestrator and call them directly, with no draft or
+    # target service and no hop between processes; the addresses above go unused.
+    # For one machine that holds both models. The process has one pool of torch
+    # threads: the target's torch_threads (loaded last) sets it. The two models'
+    # passes share one event loop, so no step drafts ahead (a request's overlap is
+    # ignored). docs/benchmarks.md, "One process".
+    local_models: bool = False
     # Requests that leave gamma unset: with adaptive_gamma, the orchestrator
     # chooses gamma (and whether to draft ahead) at every step from its cost
     # model; otherwise they use `gamma`. max_gamma bounds both and requests.

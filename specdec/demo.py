@@ -33,7 +33,7 @@ from typing import TextIO
 import grpc
 
 from specdec.config import Config, load_config
-from specdec.local.stack import ROLES, start_local, stop_local
+from specdec.local.stack import ROLES, service_roles, start_local, stop_local
 from specdec.sampling import expected_tokens_per_step
 
 # The greedy prompt and length: chosen because the demo pair's greedy text for
@@ -180,7 +180,8 @@ def busy_ports(cfg: Config, gateway: bool = False) -> list[str]:
     """The configured listen addresses that something else already holds (the
     gateway's too, with ``gateway``)."""
     busy = []
-    for role in (*ROLES, "gateway") if gateway else ROLES:
+    roles = service_roles(cfg)
+    for role in (*roles, "gateway") if gateway else roles:
         section = getattr(cfg, role)
         for port in (section.port, section.metrics_port):
             if not port:

@@ -430,13 +430,18 @@ def _registry(collectors) -> CollectorRegistry:
 ORCHESTRATOR_REGISTRY = _registry(_ORCHESTRATOR_METRICS + _SERVER_METRICS)
 MODEL_REGISTRY = _registry(_MODEL_METRICS + _SERVER_METRICS)
 GATEWAY_REGISTRY = _registry(_GATEWAY_METRICS)
+# An orchestrator with the models in its process (orchestrator.local_models).
+ONE_PROCESS_REGISTRY = _registry(_ORCHESTRATOR_METRICS + _MODEL_METRICS + _SERVER_METRICS)
 
 
-def registry_for(role: str) -> CollectorRegistry:
-    """The metrics a process of this role exposes."""
+def registry_for(role: str, local_models: bool = False) -> CollectorRegistry:
+    """The metrics a process of this role exposes (``local_models``: an orchestrator
+    that runs the draft and the target itself exposes theirs too)."""
     if role == "gateway":
         return GATEWAY_REGISTRY
-    return ORCHESTRATOR_REGISTRY if role == "orchestrator" else MODEL_REGISTRY
+    if role == "orchestrator":
+        return ONE_PROCESS_REGISTRY if local_models else ORCHESTRATOR_REGISTRY
+    return MODEL_REGISTRY
 
 
 _CHILDREN: dict[tuple, Any] = {}
@@ -462,8 +467,8 @@ def position_label(position: int) -> str:
     return str(min(position, MAX_POSITION_LABEL))
 
 
-def serve_metrics(role: str, port: int, host: str = "0.0.0.0") -> int:
+def serve_metrics(role: str, port: int, host: str = "0.0.0.0", local_models: bool = False) -> int:
     """Expose this role's /metrics over HTTP on ``port`` (0 disables). Returns the port."""
     if port:
-        start_http_server(port, addr=host, registry=registry_for(role))
+        start_http_server(port, addr=host, registry=registry_for(role, local_models))
     return port

@@ -35,6 +35,14 @@ from specdec.local import forkserver
 from specdec.transport.channels import channel_credentials
 
 ROLES = ("draft", "target", "orchestrator")
+
+
+def service_roles(cfg) -> tuple[str, ...]:
+    """The services a config runs: all three, or the orchestrator alone where it
+    holds the models itself (``orchestrator.local_models``)."""
+    return ("orchestrator",) if cfg.orchestrator.local_models else ROLES
+
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
@@ -248,7 +256,8 @@ def start_local(
     gateway: bool = False,
     repo: Path | None = None,
 ) -> list[subprocess.Popen]:
-    """Start the three services (in ``ROLES`` order), and the HTTP gateway after
+    """Start the three services (in ``ROLES`` order; the orchestrator alone with
+    ``orchestrator.local_models``: ``service_roles``), and the HTTP gateway after
     them with ``gateway``; returns them once all are healthy.
 
     ``log_dir`` collects each service's output in ROLE.log; ``quiet`` discards it.
@@ -259,7 +268,8 @@ def start_local(
     procs: list[subprocess.Popen] = []
     try:
         # All three start at once: the orchestrator waits for draft and target itself.
-        for role in ROLES:
+        roles = service_roles(cfg)
+        for role in roles:
             out = subprocess.DEVNULL if quiet else None
             if log_dir is not None:
                 out = open(log_dir / f"{role}.log", "ab")  # noqa: SIM115 - the child owns it
@@ -267,7 +277,8 @@ def start_local(
         # Checked as the orchestrator sees the model services (its upstream TLS),
         # and the API with the same CA (and client certificate) when it has TLS.
         upstream = channel_credentials(cfg.orchestrator.upstream_tls)
-        for role, section in (("draft", cfg.draft), ("target", cfg.target)):
+        for role in roles[:-1]:  # (the model services)
+            section = getattr(cfg, role)
             wait_healthy(f"{section.host}:{section.port}", 300, procs, upstream)
             if on_ready:
                 on_ready(role)
