@@ -3,7 +3,7 @@ services and ``generate()`` measured in the same rounds, so that a VM whose
 speed drifts between ``make bench``'s sections cannot decide a ratio.
 
     python -m benchmarks.head_to_head [--parts shared pinned] [--rounds 5]
-        [--ks 3 4 5 6] [--gammas 2 3 4 5] [--temperatures 0 1]
+        [--ks 3 4 5 6] [--gammas 2 3 4 5] [--temperatures 0 1] [--one-process]
         [--out results/head-to-head-<time>]
 
 One stack of the demo pair (one torch thread per service) and the same two
@@ -24,8 +24,13 @@ median of its per-round ratios: plain / ``generate()`` in the same round;
 "best" / "best" as ``benchmarks.report.held_out_best`` takes it (each round's
 pick is the configuration fastest over the other rounds, so the winner's
 curse does not flatter either side); overlapped / sequential at the same
-gamma, at overlapped's held-out pick. Prints a table; writes results.json and
-results.md.
+gamma, at overlapped's held-out pick. ``--one-process`` adds to the shared part
+an orchestrator with both models in its process (``orchestrator.local_models``,
+the target's torch threads on both cores), started beside the stack and idle
+while the other configurations run: its plain, sequential and adaptive requests
+(``one_*``) against the same ``generate()`` and assisted rates, and its best
+gamma against the three services' in the same rounds. Prints a table; writes
+results.json and results.md.
 """
 
 from __future__ import annotations
@@ -101,11 +106,15 @@ def services_rate(client: Client, fields: dict, r: int, c: Choices) -> float:
     return total["tokens"] / total["wall_s"]
 
 
-def configs_for(part: str, hf: Transformers, client: Client, c: Choices) -> dict:
-    """The part's configurations: name -> (round -> tok/s)."""
+def configs_for(
+    part: str, hf: Transformers, client: Client, c: Choices, one: Client | None = None
+) -> dict:
+    """The part's configurations: name -> (round -> tok/s). ``one``: an orchestrator
+    with both models in its process (``orchestrator.local_models``), whose plain,
+    sequential and adaptive requests join the shared part as ``one_*``."""
 
-    def svc_rate(f: dict):
-        return lambda r: services_rate(client, f, r, c)
+    def svc_rate(f: dict, to: Client = client):
+        return lambda r: services_rate(to, f, r, c)
 
     # transformers: both cores with 2 threads, or the target's core with 1
     cores, threads = (None, 2) if part == "shared" else ({TARGET_CORE}, 1)
@@ -124,6 +133,11 @@ def configs_for(part: str, hf: Transformers, client: Client, c: Choices) -> dict
             out[f"seq{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": False})
             if part == "pinned":
                 out[f"ovl{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": True})
+        if part == "shared" and one is not None:
+            out["one_plain" + at] = svc_rate(svc | {"gamma": 0}, one)
+            out["one_adaptive" + at] = svc_rate(svc | {"gamma": None, "seed": None}, one)
+            for g in c.gammas:
+                out[f"one_seq{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": False}, one)
     return out
 
 
@@ -155,6 +169,8 @@ def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dic
                              best["ratios"], picks))  # fmt: skip
             ada = held_out_best(rates["adaptive" + at], assisted)
             rows.append(_row(f"adaptive / assisted best k, {label}", None, ada["ratios"]))
+            if "one_plain" + at in rates:
+                rows += _one_process_rows(rates, at, label, generate, assisted, seq)
         else:
             ovl_fam = family(rates, "ovl", at)
             ovl, picks = held_out_series(ovl_fam)
@@ -165,6 +181,23 @@ def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dic
             rows.append(_row(f"10: overlapped / sequential at the same gamma, {label}", 1.15,
                              same, picks))  # fmt: skip
     return rows
+
+
+def _one_process_rows(rates, at: str, label: str, generate, assisted, seq) -> list[dict]:
+    """Issue 15's ratios for the orchestrator with both models in its process, and
+    its best gamma against the three services' in the same rounds."""
+    plain = rates["one_plain" + at]
+    one, picks = held_out_series(family(rates, "one_seq", at))
+    best = held_out_best(one, assisted)
+    ada = held_out_best(rates["one_adaptive" + at], assisted)
+    return [
+        _row(f"one process: plain / generate(), {label}", None,
+             [a / b for a, b in zip(plain, generate, strict=True)]),
+        _row(f"one process: best gamma / assisted best k, {label}", None, best["ratios"], picks),
+        _row(f"one process: adaptive / assisted best k, {label}", None, ada["ratios"]),
+        _row(f"one process / three services, best gamma each, {label}", None,
+             [a / b for a, b in zip(one, seq, strict=True)]),
+    ]  # fmt: skip
 
 
 def _row(name: str, goal: float | None, ratios: list[float], picks=None) -> dict:
@@ -208,18 +241,37 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_parts(stack, hf: Transformers, parts: list[str], c: Choices) -> dict:
-    """Each part's rates by round and its criteria, on ``stack`` (left unpinned)."""
+ONE_PROCESS_SETS = {  # both models in the orchestrator, on both cores
+    "orchestrator.local_models": "true",
+    "target.torch_threads": 2,
+    "target.plain_torch_threads": 0,
+}
+
+
+def run_parts(
+    stack, hf: Transformers, parts: list[str], c: Choices, one_process: bool = False
+) -> dict:
+    """Each part's rates by round and its criteria, on ``stack`` (left unpinned).
+    ``one_process``: the shared part also measures an orchestrator with both models
+    in its process (``ONE_PROCESS_SETS``), started beside the stack."""
     client = Client(stack.orchestrator_address)
+    one = None
+    if one_process and "shared" in parts:
+        draft, target = stack.address("draft"), stack.address("target")  # (unused there)
+        address, _ = stack.start_orchestrator("one-process", draft, target, ONE_PROCESS_SETS)
+        one = Client(address)
     out = {}
     try:
         for part in parts:
             (pin_stack if part == "pinned" else unpin_stack)(stack)
-            rates = interleaved(configs_for(part, hf, client, c), c.rounds)
+            rates = interleaved(configs_for(part, hf, client, c, one), c.rounds)
             out[part] = {"rates": rates, "criteria": criteria(rates, part, c.temperatures)}
             print(f"{part} done", flush=True)
     finally:
         client.close()
+        if one is not None:
+            one.close()
+            stack.stop_extra()
         unpin_stack(stack)
     return out
 
@@ -234,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", type=int, nargs="*", default=[3, 4, 5, 6])
     ap.add_argument("--gammas", type=int, nargs="*", default=[2, 3, 4, 5])
     ap.add_argument("--temperatures", type=float, nargs="*", default=[0.0, 1.0])
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="shared: also an orchestrator with both models in its process",
+    )
     ap.add_argument("--out", default=f"results/head-to-head-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -243,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = Transformers(analyze_mod.load_pair(args.draft, args.target), c.prompts, MAX_NEW)
     stack = start_services(out / "stack", args.draft, args.target, threads=1, draft_threads=1)
     try:
-        result["parts"] = run_parts(stack, hf, args.parts, c)
+        result["parts"] = run_parts(stack, hf, args.parts, c, args.one_process)
     finally:
         stack.stop()
     return finish(out, result, report)

@@ -499,3 +499,21 @@ def test_set_pairs_become_config_overrides_for_any_section(tmp_path):
     assert cfg["draft"]["guesses"] == 0 and cfg["draft"]["model"] == "draft-dir"
     with pytest.raises(SystemExit, match="want section.key=value"):
         stack_overrides(["pipeline=true"])
+
+
+def test_head_to_head_measures_one_process_beside_the_services(tmp_path, llama_pair):
+    """``benchmarks.head_to_head --one-process`` on the tiny pair: the orchestrator
+    with both models in its process joins the shared part's rounds, and its ratios
+    are in the report."""
+    draft, target = llama_pair
+    run_benchmark(
+        "benchmarks.head_to_head", "--draft", str(draft), "--target", str(target),
+        "--parts", "shared", "--one-process", "--rounds", "1", "--ks", "3", "--gammas", "2",
+        "--temperatures", "0", "--out", str(tmp_path)
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    rates = result["parts"]["shared"]["rates"]
+    assert all(rates[k][0] > 0 for k in ("one_plain@0", "one_seq2@0", "one_adaptive@0"))
+    md = (tmp_path / "results.md").read_text()
+    assert "| one process: best gamma / assisted best k, greedy |" in md
+    assert "| one process / three services, best gamma each, greedy |" in md
