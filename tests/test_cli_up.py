@@ -89,3 +89,38 @@ def test_a_stop_signal_stops_every_service_and_a_dead_one_is_named(llama_pair):
             if up.poll() is None:
                 up.kill()
                 up.wait(10)
+
+
+def test_up_with_the_models_in_the_orchestrator_starts_it_and_the_gateway_alone(llama_pair):
+    """``orchestrator.local_models``: no draft or target service to start; a dead
+    orchestrator is named as such (up's names follow the services it started)."""
+    draft, target = llama_pair
+    sets = free_port_sets(gateway=True) + [
+        f"draft.model={draft}",
+        f"target.model={target}",
+        "orchestrator.local_models=true",
+    ]
+    up = specdec_command("up", *set_args(sets))
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "specdec is up" not in line:
+            line = up.stdout.readline()
+            assert line or up.poll() is None, up.stderr.read()
+            assert time.monotonic() < deadline, "up did not come up"
+        services = _children(up.pid)
+        assert len(services) == 2, services
+        orchestrator = next(
+            pid
+            for pid in services
+            if b"serve\x00orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        os.kill(orchestrator, signal.SIGKILL)
+        assert up.wait(60) == 1
+        assert "the orchestrator exited" in up.stderr.read()
+        time.sleep(0.5)
+        assert not [pid for pid in services if _alive(pid)]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)

@@ -11,9 +11,12 @@ import pytest
 
 from specdec.config import load_config
 from specdec.runtime.loading import load_tokenizer
+from specdec.sampling import SamplingParams
 
+from .conftest import WIRE_TOP_K
 from .stack import local_stack, set_args, specdec_command
 from .test_greedy import reference
+from .test_statistical import check
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +27,7 @@ def one_process(tmp_path_factory, llama_pair):
         draft,
         target,
         orchestrator__local_models=True,
+        orchestrator__wire_top_k=WIRE_TOP_K,  # (q truncated as the statistical test's theory)
         target__torch_threads=2,
     ) as stack:
         yield stack
@@ -72,6 +76,15 @@ def test_a_seeded_sampled_request_repeats_in_one_process(one_process):
         for _ in range(2)
     ]
     assert runs[0] == runs[1] and len(runs[0]) == 24
+
+
+@pytest.mark.slow
+def test_sampled_tokens_in_one_process_follow_target_distribution(one_process, llama_pair):
+    """The statistical test of the services, on concurrent requests (batched passes)
+    with top-k and top-p, against the target's exact marginals."""
+    params = SamplingParams(1.0, top_k=12, top_p=0.9)
+    for name, (dist, threshold) in check(one_process, llama_pair, params).items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"
 
 
 def test_the_orchestrator_exposes_both_models_metrics(one_process):
