@@ -50,7 +50,7 @@ def test_greedy_in_one_process_equals_target_generate(one_process, llama_pair):
             assert got == want, (prompt, fields)
             if fields.get("gamma"):  # (adaptive may choose plain decoding)
                 assert stats.drafted_tokens > 0
-            assert stats.wire_bytes_per_token == 0  # no wire: q stays in the process
+            assert stats.wire_bytes_per_token == 0  # no wire: q is handed over unpacked
 
 
 def test_no_step_drafts_ahead_in_one_process(one_process):

@@ -2,8 +2,9 @@
 
 They call the services' domain objects (``Drafter``, ``Verifier``) directly,
 with the same validation and the same forward loop as behind gRPC. The
-engine's unit tests run on them in milliseconds, and the benchmarks use them
-as the "no network" reference.
+engine's unit tests run on them in milliseconds, the benchmarks use them as
+the "no network" reference, and an orchestrator with ``local_models`` serves
+the public API on them (both models in its process).
 """
 
 from __future__ import annotations
