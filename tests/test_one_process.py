@@ -35,6 +35,7 @@ def one_process(tmp_path_factory, llama_pair):
 
 def test_one_process_runs_no_model_service(one_process):
     assert [p.poll() for p in one_process.procs] == [None]  # the orchestrator alone
+    assert one_process.proc("orchestrator") is one_process.procs[0]
 
 
 def test_greedy_in_one_process_equals_target_generate(one_process, llama_pair):

@@ -374,8 +374,14 @@ class Stack:
     def metrics_port(self, role: str) -> int:
         return self.config[role]["metrics_port"]
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The services it runs, in the order of ``procs`` (``service_roles``)."""
+        local = self.config["orchestrator"].get("local_models", False)
+        return ("orchestrator",) if local else ROLES
+
     def proc(self, role: str) -> subprocess.Popen:
-        return self.procs[ROLES.index(role)]
+        return self.procs[self.roles.index(role)]
 
     # ---- the public API ----------------------------------------------------------------
     def generate_raw(self, address: str | None = None, timeout: float = 120, **fields):
@@ -444,7 +450,7 @@ class Stack:
         if self.log_dir is not None:
             out = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115
         new = spawn(role, str(self.config_path), [], out, self.env)
-        self.procs[ROLES.index(role)] = new
+        self.procs[self.roles.index(role)] = new
         wait_healthy(self.address(role), timeout, [new])
 
     def pin(self, role: str, cpus: set[int], niceness: int | None = None) -> None:
