@@ -232,6 +232,23 @@ def test_sustained_writes_results(tmp_path):
     assert (tmp_path / "sustained.png").stat().st_size > 0
 
 
+def test_sustained_measures_one_process_beside_the_stack(tmp_path, llama_pair):
+    """``--one-process``: the orchestrator with both models in its process runs
+    every mode in the same rotation, and the report compares it with the stack."""
+    draft, target = llama_pair
+    run_benchmark(
+        "benchmarks.sustained", "--draft", str(draft), "--target", str(target),
+        "--clients", "2", "--threads", "1", "--warm", "0.2", "--window", "0.5",
+        "--repeats", "1", "--one-process", "--out", str(tmp_path)
+    )  # fmt: skip
+    row = json.loads((tmp_path / "results.json").read_text())["median"]["1"]["2"]
+    assert set(row) == {"plain", "adaptive", "seq4"} | {
+        f"one process {m}" for m in ("plain", "adaptive", "seq4")
+    }
+    assert all(v > 0 for v in row.values())
+    assert "one process, best mode / the stack's best" in (tmp_path / "results.md").read_text()
+
+
 def test_relay_side_by_side_writes_results(tmp_path):
     """``benchmarks.relay``'s concurrent part, one client: both routes measured, the
     relaying orchestrator did relay, and the report has the row."""
