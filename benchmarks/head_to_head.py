@@ -190,10 +190,11 @@ def _one_process_rows(rates, at: str, label: str, generate, assisted, seq) -> li
     one, picks = held_out_series(family(rates, "one_seq", at))
     best = held_out_best(one, assisted)
     ada = held_out_best(rates["one_adaptive" + at], assisted)
-    return [
-        _row(f"one process: plain / generate(), {label}", None,
+    return [  # (issue 15's goals, for the deployment a user with one machine runs)
+        _row(f"15, one process: plain / generate(), {label}", 0.95,
              [a / b for a, b in zip(plain, generate, strict=True)]),
-        _row(f"one process: best gamma / assisted best k, {label}", None, best["ratios"], picks),
+        _row(f"15, one process: best gamma / assisted best k, {label}", 1.0, best["ratios"],
+             picks),
         _row(f"one process: adaptive / assisted best k, {label}", None, ada["ratios"]),
         _row(f"one process / three services, best gamma each, {label}", None,
              [a / b for a, b in zip(one, seq, strict=True)]),

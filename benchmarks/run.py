@@ -23,6 +23,8 @@ spell of the machine hits all of them alike. Sections, in order:
 4b. ``head_to_head``: issue 15's and issue 10's comparisons with transformers
    again, both sides in the same rounds (``benchmarks.head_to_head``): the
    sections above run minutes apart, and this VM's speed can move between them.
+   Its shared part also measures an orchestrator with both models in its process
+   (``orchestrator.local_models``), with issue 15's goals as "15, one process".
 5. ``inprocess``: the engine with draft and target in one process (no network),
    the reference for what the network and gRPC cost.
 6. ``rtt``: added network round-trip time through the delay proxy (pinned).
@@ -990,7 +992,7 @@ def head_to_head_section(out: Path, args, plan: Plan) -> dict:
         out / "head_to_head", args.draft, args.target, threads=1, draft_threads=1
     )
     try:
-        return head_to_head.run_parts(stack, hf, ["shared", "pinned"], c)
+        return head_to_head.run_parts(stack, hf, ["shared", "pinned"], c, one_process=True)
     finally:
         stack.stop()
 

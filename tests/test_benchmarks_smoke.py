@@ -90,9 +90,11 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     assert set(h2h) == {"shared", "pinned"}
     assert all(len(v) == 1 and v[0] > 0 for part in h2h.values() for v in part["rates"].values())
     assert {"generate@1", "assisted3@1", "plain@1", "seq3@1"} <= set(h2h["shared"]["rates"])
+    assert {"one_plain@1", "one_seq3@1", "one_adaptive@0"} <= set(h2h["shared"]["rates"])
     assert {"assisted3@0", "seq3@0", "ovl3@0"} <= set(h2h["pinned"]["rates"])
     paired = [c for c in results["criteria"] if c["criterion"].endswith("(head to head)")]
-    assert len(paired) == 8 and all(len(c["rounds"]) == 1 for c in paired)
+    assert len(paired) == 12 and all(len(c["rounds"]) == 1 for c in paired)
+    assert sum(c["criterion"].startswith("15, one process") for c in paired) == 4
 
     md = (out / "results.md").read_text()
     assert "References, not goals" in (out / "results.md").read_text()
@@ -532,5 +534,5 @@ def test_head_to_head_measures_one_process_beside_the_services(tmp_path, llama_p
     rates = result["parts"]["shared"]["rates"]
     assert all(rates[k][0] > 0 for k in ("one_plain@0", "one_seq2@0", "one_adaptive@0"))
     md = (tmp_path / "results.md").read_text()
-    assert "| one process: best gamma / assisted best k, greedy |" in md
+    assert "| 15, one process: best gamma / assisted best k, greedy |" in md
     assert "| one process / three services, best gamma each, greedy |" in md
