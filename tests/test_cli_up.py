@@ -54,6 +54,23 @@ def _alive(pid: int) -> bool:
     )
 
 
+def _wait_up(up) -> list[int]:
+    """Wait (at most 240 s) until ``specdec up`` says it is up; its children."""
+    deadline = time.monotonic() + 240
+    line = ""
+    while "specdec is up" not in line:
+        line = up.stdout.readline()
+        assert line or up.poll() is None, up.stderr.read()
+        assert time.monotonic() < deadline, "up did not come up"
+    return _children(up.pid)
+
+
+def _serving(pids: list[int], role: str) -> int:
+    """The one of ``pids`` that runs ``specdec serve ROLE``."""
+    want = b"serve\x00" + role.encode()
+    return next(pid for pid in pids if want in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
 def test_a_stop_signal_stops_every_service_and_a_dead_one_is_named(llama_pair):
     """SIGTERM to `specdec up` (kill, systemd, docker stop) left its four services
     running as orphans; now it stops them as Ctrl-C does. And when a service dies,
@@ -63,24 +80,13 @@ def test_a_stop_signal_stops_every_service_and_a_dead_one_is_named(llama_pair):
     for ending in ("sigterm", "a service dies"):
         up = specdec_command("up", *set_args(sets))
         try:
-            deadline = time.monotonic() + 240
-            line = ""
-            while "specdec is up" not in line:
-                line = up.stdout.readline()
-                assert line or up.poll() is None, up.stderr.read()
-                assert time.monotonic() < deadline, "up did not come up"
-            services = _children(up.pid)
+            services = _wait_up(up)
             assert len(services) == 4, services
             if ending == "sigterm":
                 up.send_signal(signal.SIGTERM)
                 assert up.wait(60) == 0
             else:
-                target_pid = next(
-                    pid
-                    for pid in services
-                    if b"serve\x00target" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                )
-                os.kill(target_pid, signal.SIGKILL)
+                os.kill(_serving(services, "target"), signal.SIGKILL)
                 assert up.wait(60) == 1
                 assert "the target exited" in up.stderr.read()
             time.sleep(0.5)
@@ -102,20 +108,9 @@ def test_up_with_the_models_in_the_orchestrator_starts_it_and_the_gateway_alone(
     ]
     up = specdec_command("up", *set_args(sets))
     try:
-        deadline = time.monotonic() + 240
-        line = ""
-        while "specdec is up" not in line:
-            line = up.stdout.readline()
-            assert line or up.poll() is None, up.stderr.read()
-            assert time.monotonic() < deadline, "up did not come up"
-        services = _children(up.pid)
+        services = _wait_up(up)
         assert len(services) == 2, services
-        orchestrator = next(
-            pid
-            for pid in services
-            if b"serve\x00orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        )
-        os.kill(orchestrator, signal.SIGKILL)
+        os.kill(_serving(services, "orchestrator"), signal.SIGKILL)
         assert up.wait(60) == 1
         assert "the orchestrator exited" in up.stderr.read()
         time.sleep(0.5)
