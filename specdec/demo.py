@@ -134,8 +134,16 @@ def report_speed(runs: dict[str, list[Run]], max_new_tokens: int, out: TextIO) -
         )
 
 
-def side_by_side(stub, prompt: str, max_new_tokens: int, repeats: int, out: TextIO) -> bool:
-    """Plain against speculative decoding on one greedy prompt; True if identical."""
+def side_by_side(
+    stub,
+    prompt: str,
+    max_new_tokens: int,
+    repeats: int,
+    out: TextIO,
+    where: str = "all three services share",
+) -> bool:
+    """Plain against speculative decoding on one greedy prompt; True if identical.
+    ``where``: what runs on this machine's cores, for the report's last line."""
     out.write(f"\n== Same text, faster: greedy, {max_new_tokens} new tokens ==\n")
     out.write(f"prompt: {prompt}\n")
     out.flush()
@@ -147,7 +155,7 @@ def side_by_side(stub, prompt: str, max_new_tokens: int, repeats: int, out: Text
         f"measured: one warm-up request of each, then {repeats} interleaved "
         f"run{'s' if repeats > 1 else ''} of each;\n"
         "  tokens/s = median over the runs of generated tokens / request time at the\n"
-        "  orchestrator (prefill included); all three services share this machine's\n"
+        f"  orchestrator (prefill included); {where} this machine's\n"
         f"  {os.cpu_count()} CPU cores (load average {load:.1f} before the runs)\n"
     )
     return identical
@@ -201,9 +209,10 @@ def busy_ports(cfg: Config, gateway: bool = False) -> list[str]:
 class Progress:
     """One line per service while it starts: 'starting draft ... ready (3.1 s)'."""
 
-    def __init__(self, out: TextIO) -> None:
-        self.out, self.t0 = out, time.monotonic()
-        self._starting(ROLES[0])
+    def __init__(self, out: TextIO, roles: tuple[str, ...] = ROLES) -> None:
+        """``roles``: the services started, in order (``service_roles``)."""
+        self.out, self.t0, self.roles = out, time.monotonic(), roles
+        self._starting(roles[0])
 
     def _starting(self, role: str) -> None:
         self.out.write(f"starting {role} ...")
@@ -211,9 +220,9 @@ class Progress:
 
     def __call__(self, role: str) -> None:  # start_local's on_ready
         self.out.write(f" ready ({time.monotonic() - self.t0:.1f} s)\n")
-        i = ROLES.index(role) + 1
-        if i < len(ROLES):
-            self._starting(ROLES[i])
+        i = self.roles.index(role) + 1
+        if i < len(self.roles):
+            self._starting(self.roles[i])
         self.out.flush()
 
 
@@ -250,14 +259,18 @@ def run_demo(
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     ok, error, interrupted = False, "", False
     try:
-        procs = start_local(config_path, overrides, log_dir=log_dir, on_ready=Progress(out))
+        progress = Progress(out, service_roles(cfg))
+        procs = start_local(config_path, overrides, log_dir=log_dir, on_ready=progress)
         try:
             o = cfg.orchestrator
             address = f"{o.host}:{o.port}"
             out.write(f"ready: orchestrator on {address}\n")
             with grpc.insecure_channel(address) as channel:
                 stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-                identical = side_by_side(stub, GREEDY_PROMPT, max_new_tokens, repeats, out)
+                where = "all three services share"
+                if cfg.orchestrator.local_models:
+                    where = "both models, in one process, share"
+                identical = side_by_side(stub, GREEDY_PROMPT, max_new_tokens, repeats, out, where)
             rc = sampled(address, max_new_tokens, out)
             ok = identical and rc == 0
         finally:

@@ -66,6 +66,20 @@ def test_demo_shows_the_same_text_and_a_speedup(tmp_path):
     assert not list(tmp_path.glob("specdec-demo-*")), "logs of a successful demo are removed"
 
 
+def test_demo_in_one_process_starts_the_orchestrator_alone(tmp_path):
+    """``orchestrator.local_models``: one progress line, the same text, and the
+    report says what shares the cores."""
+    rc, out, err = run_command(
+        tmp_path, "--repeats", "1", "--max-new-tokens", "16", "--set",
+        "orchestrator.local_models=true",
+    )  # fmt: skip
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert "identical: yes" in out
+    assert re.findall(r"^starting (\w+) \.\.\. ready", out, re.M) == ["orchestrator"], out
+    assert "both models, in one process, share this machine's" in out
+    assert "0 wire B/token" in out
+
+
 def test_demo_names_its_logs_when_a_service_fails(tmp_path, monkeypatch):
     """In this process (the command itself runs in the test above): the services fork."""
     not_a_model = tmp_path / "not-a-model"
