@@ -268,6 +268,10 @@ def run_parts(
             rates = interleaved(configs_for(part, hf, client, c, one), c.rounds)
             out[part] = {"rates": rates, "criteria": criteria(rates, part, c.temperatures)}
             print(f"{part} done", flush=True)
+            if part == "shared" and one is not None:  # (not idle beside the pinned part)
+                one.close()
+                stack.stop_extra()
+                one = None
     finally:
         client.close()
         if one is not None:
