@@ -52,7 +52,7 @@ from .common import (
     machine_info,
     start_services,
 )
-from .plain_runs import MAX_NEW, interleaved, side_by_side_header
+from .plain_runs import MAX_NEW, interleaved, ratios, side_by_side_header
 from .report import held_out_best, held_out_picks
 from .run import (
     TARGET_CORE,
@@ -160,17 +160,11 @@ def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dic
         label = "greedy" if t == 0 else f"T={t:g}"
         assisted = family(rates, "assisted", at)
         if part == "shared":
-            plain, generate = rates["plain" + at], rates["generate" + at]
-            ratios = [a / b for a, b in zip(plain, generate, strict=True)]
-            rows.append(_row(f"15: plain / generate(), {label}", 0.95, ratios))
-            seq, picks = held_out_series(family(rates, "seq", at))
-            best = held_out_best(seq, assisted)
-            rows.append(_row(f"15: specdec best gamma / assisted best k, {label}", 1.0,
-                             best["ratios"], picks))  # fmt: skip
-            ada = held_out_best(rates["adaptive" + at], assisted)
-            rows.append(_row(f"adaptive / assisted best k, {label}", None, ada["ratios"]))
-            if "one_plain" + at in rates:
-                rows += _one_process_rows(rates, at, label, generate, assisted, seq)
+            seq = _speed_rows(rows, rates, at, label, assisted, "", SERVICES_ROWS)
+            if "one_plain" + at in rates:  # (issue 15's goals, for a user with one machine)
+                one = _speed_rows(rows, rates, at, label, assisted, "one_", ONE_PROCESS_ROWS)
+                rows.append(_row(f"one process / three services, best gamma each, {label}",
+                                 None, ratios(one, seq)))  # fmt: skip
         else:
             ovl_fam = family(rates, "ovl", at)
             ovl, picks = held_out_series(ovl_fam)
@@ -183,22 +177,33 @@ def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dic
     return rows
 
 
-def _one_process_rows(rates, at: str, label: str, generate, assisted, seq) -> list[dict]:
-    """Issue 15's ratios for the orchestrator with both models in its process, and
-    its best gamma against the three services' in the same rounds."""
-    plain = rates["one_plain" + at]
-    one, picks = held_out_series(family(rates, "one_seq", at))
-    best = held_out_best(one, assisted)
-    ada = held_out_best(rates["one_adaptive" + at], assisted)
-    return [  # (issue 15's goals, for the deployment a user with one machine runs)
-        _row(f"15, one process: plain / generate(), {label}", 0.95,
-             [a / b for a, b in zip(plain, generate, strict=True)]),
-        _row(f"15, one process: best gamma / assisted best k, {label}", 1.0, best["ratios"],
-             picks),
-        _row(f"one process: adaptive / assisted best k, {label}", None, ada["ratios"]),
-        _row(f"one process / three services, best gamma each, {label}", None,
-             [a / b for a, b in zip(one, seq, strict=True)]),
-    ]  # fmt: skip
+# The names of _speed_rows' three rows, for the three services and for one process.
+SERVICES_ROWS = (
+    "15: plain / generate()",
+    "15: specdec best gamma / assisted best k",
+    "adaptive / assisted best k",
+)
+ONE_PROCESS_ROWS = (
+    "15, one process: plain / generate()",
+    "15, one process: best gamma / assisted best k",
+    "one process: adaptive / assisted best k",
+)
+
+
+def _speed_rows(
+    rows: list, rates, at: str, label: str, assisted: dict, prefix: str, names
+) -> list[float]:
+    """Issue 15's ratios of one way of serving (its configurations named ``prefix``
+    plain, seq<g>, adaptive), appended to ``rows``: plain / ``generate()``, its best
+    gamma and adaptive / assisted generation at its best k (``assisted``: that
+    family's rates). Returns its best gamma's rate, round by round."""
+    seq, picks = held_out_series(family(rates, prefix + "seq", at))
+    plain = ratios(rates[prefix + "plain" + at], rates["generate" + at])
+    rows.append(_row(f"{names[0]}, {label}", 0.95, plain))
+    rows.append(_row(f"{names[1]}, {label}", 1.0, held_out_best(seq, assisted)["ratios"], picks))
+    ada = held_out_best(rates[prefix + "adaptive" + at], assisted)
+    rows.append(_row(f"{names[2]}, {label}", None, ada["ratios"]))
+    return seq
 
 
 def _row(name: str, goal: float | None, ratios: list[float], picks=None) -> dict:
@@ -249,6 +254,13 @@ ONE_PROCESS_SETS = {  # both models in the orchestrator, on both cores
 }
 
 
+def start_one_process(stack) -> str:
+    """An orchestrator with both models in its process (``ONE_PROCESS_SETS``) beside
+    ``stack`` (an extra, stopped with ``stop_extra``); returns its address."""
+    draft, target = stack.address("draft"), stack.address("target")  # (unused there)
+    return stack.start_orchestrator("one-process", draft, target, ONE_PROCESS_SETS)[0]
+
+
 def run_parts(
     stack, hf: Transformers, parts: list[str], c: Choices, one_process: bool = False
 ) -> dict:
@@ -258,9 +270,7 @@ def run_parts(
     client = Client(stack.orchestrator_address)
     one = None
     if one_process and "shared" in parts:
-        draft, target = stack.address("draft"), stack.address("target")  # (unused there)
-        address, _ = stack.start_orchestrator("one-process", draft, target, ONE_PROCESS_SETS)
-        one = Client(address)
+        one = Client(start_one_process(stack))
     out = {}
     try:
         for part in parts:

@@ -14,7 +14,7 @@ to. Per thread setting one stack (draft 1 thread, target ``threads``); per
 client count, plain decoding, adaptive and gamma 4, T=1, the order rotating
 each round. ``--one-process``: beside each stack, an orchestrator with both
 models in its process (``orchestrator.local_models``, its target on 2 threads:
-``head_to_head.ONE_PROCESS_SETS``), whose modes (``one process <mode>``) join the
+``head_to_head.start_one_process``), whose modes (``one process <mode>``) join the
 same rotation. Reported: median tok/s of the rounds and their ratios. Prints a
 table; writes results.json, results.md and sustained.png.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPTS, machine_info, rotated_rounds
 from .common import start_services as _start
-from .head_to_head import ONE_PROCESS_SETS
+from .head_to_head import start_one_process
 from .plain_runs import side_by_side_header
 from .run import CONCURRENCY_MODES as MODES
 from .run import sustained_round
@@ -49,9 +49,7 @@ def measure(args, threads: int, out: Path) -> dict[str, dict[str, list[float]]]:
     try:
         arms = {m: (stack.orchestrator_address, f) for m, f in MODES.items()}
         if args.one_process:
-            address, _ = stack.start_orchestrator(
-                "one-process", stack.address("draft"), stack.address("target"), ONE_PROCESS_SETS
-            )
+            address = start_one_process(stack)
             arms |= {f"{ONE} {m}": (address, f) for m, f in MODES.items()}
         for address in {a for a, _ in arms.values()}:  # warm
             sustained_round(address, 4, MODES["adaptive"], PROMPTS, MAX_NEW, 1.0, 1.0, 99)
