@@ -159,7 +159,7 @@ def _up(config_path: str | None, overrides: list[str]) -> int:
         )
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
-        roles = (*service_roles(cfg), "gateway")  # (start_local's order)
+        roles = (*service_roles(cfg.orchestrator.local_models), "gateway")  # (start_local's order)
         dead = [(r, p.poll()) for r, p in zip(roles, procs, strict=True) if p.poll() is not None]
     except KeyboardInterrupt:
         return 0

@@ -188,7 +188,7 @@ def busy_ports(cfg: Config, gateway: bool = False) -> list[str]:
     """The configured listen addresses that something else already holds (the
     gateway's too, with ``gateway``)."""
     busy = []
-    roles = service_roles(cfg)
+    roles = service_roles(cfg.orchestrator.local_models)
     for role in (*roles, "gateway") if gateway else roles:
         section = getattr(cfg, role)
         for port in (section.port, section.metrics_port):
@@ -259,7 +259,7 @@ def run_demo(
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     ok, error, interrupted = False, "", False
     try:
-        progress = Progress(out, service_roles(cfg))
+        progress = Progress(out, service_roles(cfg.orchestrator.local_models))
         procs = start_local(config_path, overrides, log_dir=log_dir, on_ready=progress)
         try:
             o = cfg.orchestrator

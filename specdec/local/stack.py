@@ -37,10 +37,10 @@ from specdec.transport.channels import channel_credentials
 ROLES = ("draft", "target", "orchestrator")
 
 
-def service_roles(cfg) -> tuple[str, ...]:
+def service_roles(local_models: bool) -> tuple[str, ...]:
     """The services a config runs: all three, or the orchestrator alone where it
     holds the models itself (``orchestrator.local_models``)."""
-    return ("orchestrator",) if cfg.orchestrator.local_models else ROLES
+    return ("orchestrator",) if local_models else ROLES
 
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -268,7 +268,7 @@ def start_local(
     procs: list[subprocess.Popen] = []
     try:
         # All three start at once: the orchestrator waits for draft and target itself.
-        roles = service_roles(cfg)
+        roles = service_roles(cfg.orchestrator.local_models)
         for role in roles:
             out = subprocess.DEVNULL if quiet else None
             if log_dir is not None:
@@ -377,8 +377,7 @@ class Stack:
     @property
     def roles(self) -> tuple[str, ...]:
         """The services it runs, in the order of ``procs`` (``service_roles``)."""
-        local = self.config["orchestrator"].get("local_models", False)
-        return ("orchestrator",) if local else ROLES
+        return service_roles(self.config["orchestrator"].get("local_models", False))
 
     def proc(self, role: str) -> subprocess.Popen:
         return self.procs[self.roles.index(role)]
