@@ -369,7 +369,8 @@ class Stack:
 
     @property
     def metrics_ports(self) -> dict[str, int]:
-        return {r: self.config[r]["metrics_port"] for r in ROLES}
+        """role -> metrics port, for the services it runs (``roles``)."""
+        return {r: self.config[r]["metrics_port"] for r in self.roles}
 
     def metrics_port(self, role: str) -> int:
         return self.config[role]["metrics_port"]
