@@ -1,5 +1,9 @@
 """Kubernetes manifests (deploy/): every overlay renders, validates and is coherent.
 
+Four overlays: demo and gpu run the three services (four Deployments with the
+gateway); demo-one-process and gpu-one-process build on them with the
+one-process component (the orchestrator loads both models, two Deployments).
+
 Renders each kustomize overlay with ``kubectl kustomize``, validates every
 built-in object with kubernetes-validate (strict, Kubernetes 1.30 schemas,
 offline) and checks by assertion what schemas cannot: probes on declared
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,10 +27,13 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-OVERLAYS = ("demo", "gpu")
+OVERLAYS = ("demo", "gpu", "demo-one-process", "gpu-one-process")
+# A one-process overlay -> the three-service overlay it builds on.
+ONE_PROCESS = {"demo-one-process": "demo", "gpu-one-process": "gpu"}
 NAMESPACE = "specdec"
 K8S_VERSION = "1.30.0"
 COMPONENTS = ("draft", "target", "orchestrator", "gateway")
+ONE_PROCESS_COMPONENTS = ("orchestrator", "gateway")
 # Ports fixed by the project: (gRPC or HTTP, metrics) per component.
 PORTS = {
     "orchestrator": (50050, 9100),
@@ -35,7 +43,7 @@ PORTS = {
 }
 # The name of each component's serving port: the gateway speaks HTTP, the others gRPC.
 SERVING_PORT = {"gateway": "http"}
-IMAGES = {"demo": "specdec:cpu", "gpu": "specdec:cuda"}
+IMAGES = {"demo": "specdec:cpu", "gpu": "specdec:cuda"}  # by the three-service overlay
 # The gateway's own image (Dockerfile.cpu --target gateway), the same in every overlay.
 GATEWAY_IMAGE = "specdec-gateway:0.1.0"
 CONFIG_MOUNT = "/etc/specdec"
@@ -85,14 +93,32 @@ def _one(objs, kind: str, name: str) -> dict:
     return found[0]
 
 
-def _deployments(objs) -> dict[str, dict]:
+def _components(overlay: str) -> tuple[str, ...]:
+    return ONE_PROCESS_COMPONENTS if overlay in ONE_PROCESS else COMPONENTS
+
+
+def _base(overlay: str) -> str:
+    """The three-service overlay: itself, or the one a one-process overlay builds on."""
+    return ONE_PROCESS.get(overlay, overlay)
+
+
+def _model_pods(overlay: str) -> tuple[str, ...]:
+    """The components whose pods load a model."""
+    return ("orchestrator",) if overlay in ONE_PROCESS else ("draft", "target")
+
+
+def _deployments(objs, overlay: str) -> dict[str, dict]:
     """component -> Deployment."""
     out = {}
     for d in _of(objs, "Deployment"):
         comp = d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
         out[comp] = d
-    assert set(out) == set(COMPONENTS), f"Deployments by component: {sorted(out)}"
+    assert set(out) == set(_components(overlay)), f"Deployments by component: {sorted(out)}"
     return out
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env") or []}
 
 
 def _matches(selector: dict, labels: dict) -> bool:
@@ -173,16 +199,19 @@ def _pod_spec(d: dict) -> dict:
 # ---------------------------------------------------------------- tests
 
 
-def test_render_has_every_piece(objs):
+def test_render_has_every_piece(objs, overlay):
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
-    for needed in [
-        ("Namespace", NAMESPACE),
-        ("ConfigMap", "specdec-config"),
-        ("Service", "specdec-orchestrator"),
+    model_services = [
         ("Service", "specdec-draft"),
         ("Service", "specdec-target"),
         ("Service", "specdec-draft-headless"),
         ("Service", "specdec-target-headless"),
+    ]
+    for needed in [
+        ("Namespace", NAMESPACE),
+        ("ConfigMap", "specdec-config"),
+        ("Service", "specdec-orchestrator"),
+        *([] if overlay in ONE_PROCESS else model_services),
         ("Service", "specdec-orchestrator-headless"),
         ("Service", "specdec-gateway"),
         ("HorizontalPodAutoscaler", "specdec-orchestrator"),
@@ -190,8 +219,11 @@ def test_render_has_every_piece(objs):
         ("PrometheusRule", "specdec"),
     ]:
         assert needed in kinds, f"missing {needed[0]}/{needed[1]}"
-    _deployments(objs)
-    assert len(_of(objs, "PodDisruptionBudget")) == len(COMPONENTS)
+    if overlay in ONE_PROCESS:  # nothing of the model services is left
+        for kind, name in kinds:
+            assert "draft" not in name and "target" not in name, f"{kind}/{name}"
+    _deployments(objs, overlay)
+    assert len(_of(objs, "PodDisruptionBudget")) == len(_components(overlay))
     assert _of(objs, "ServiceMonitor") or _of(objs, "PodMonitor")
     names = [(o["kind"], o["metadata"]["name"]) for o in objs]
     assert len(names) == len(set(names)), "duplicate objects"
@@ -219,8 +251,8 @@ def test_schema_valid_k8s_1_30(objs):
     assert not errors, "\n".join(errors)
 
 
-def test_containers_probes_resources_security(objs):
-    for comp, d in _deployments(objs).items():
+def test_containers_probes_resources_security(objs, overlay):
+    for comp, d in _deployments(objs, overlay).items():
         spec = _pod_spec(d)
         pod_sc = spec.get("securityContext") or {}
         assert spec.get("enableServiceLinks") is False, (
@@ -270,17 +302,17 @@ def test_containers_probes_resources_security(objs):
 
 
 def test_images_and_commands(objs, overlay):
-    for comp, d in _deployments(objs).items():
+    for comp, d in _deployments(objs, overlay).items():
         (c,) = _pod_spec(d)["containers"]
-        image = GATEWAY_IMAGE if comp == "gateway" else IMAGES[overlay]
+        image = GATEWAY_IMAGE if comp == "gateway" else IMAGES[_base(overlay)]
         assert c["image"] == image, f"{comp}: image {c['image']}"
         assert c.get("args", [])[:2] == ["serve", comp], f"{comp}: args {c.get('args')}"
         assert "command" not in c, f"{comp}: keep the image ENTRYPOINT (specdec)"
 
 
-def test_graceful_termination_outlasts_drain(objs):
+def test_graceful_termination_outlasts_drain(objs, overlay):
     cfg = _configs(objs)
-    for comp, d in _deployments(objs).items():
+    for comp, d in _deployments(objs, overlay).items():
         spec = _pod_spec(d)
         (c,) = spec["containers"]
         pre = c.get("lifecycle", {}).get("preStop")
@@ -305,9 +337,12 @@ def test_config_loads_and_matches_manifests(objs, overlay):
     finally:
         sys.path.remove(str(REPO))
     raw = _configs(objs)
-    cfg = config_from_dict(raw, env={})  # must not raise ConfigError
-    deps = _deployments(objs)
-    for comp in COMPONENTS:
+    deps = _deployments(objs, overlay)
+    # The orchestrator's config as its pod reads it: the file, then its environment.
+    (orchestrator,) = _pod_spec(deps["orchestrator"])["containers"]
+    cfg = config_from_dict(raw, env=_env(orchestrator))  # must not raise ConfigError
+    assert cfg.orchestrator.local_models is (overlay in ONE_PROCESS), "orchestrator.local_models"
+    for comp in _components(overlay):
         section = getattr(cfg, comp)
         assert section.host == "0.0.0.0", f"{comp}.host must be 0.0.0.0 in a pod"
         (c,) = _pod_spec(deps[comp])["containers"]
@@ -317,11 +352,13 @@ def test_config_loads_and_matches_manifests(objs, overlay):
         assert ports.get(serving) == section.port, f"{comp}: {serving} port != {comp}.port"
         assert ports.get("metrics") == section.metrics_port, f"{comp}: metrics port"
     services = {s["metadata"]["name"]: s for s in _of(objs, "Service")}
-    for section, key, comp in (
-        ("orchestrator", "draft_address", "draft"),
-        ("orchestrator", "target_address", "target"),
-        ("gateway", "orchestrator_address", "orchestrator"),
-    ):
+    wires = [("gateway", "orchestrator_address", "orchestrator")]
+    if overlay not in ONE_PROCESS:
+        wires += [
+            ("orchestrator", "draft_address", "draft"),
+            ("orchestrator", "target_address", "target"),
+        ]
+    for section, key, comp in wires:
         address = getattr(getattr(cfg, section), key).removeprefix("dns:///")
         host, port = address.rsplit(":", 1)
         name = host.split(".")[0]
@@ -334,8 +371,10 @@ def test_config_loads_and_matches_manifests(objs, overlay):
     for comp in ("draft", "target"):
         section = getattr(cfg, comp)
         assert section.model.startswith("/"), f"{comp}.model must be absolute"
-        (c,) = _pod_spec(deps[comp])["containers"]
-        if overlay == "gpu":
+        # The pod that loads this model: its own, or the orchestrator's in one process.
+        (pod,) = _model_pods(overlay) if overlay in ONE_PROCESS else (comp,)
+        (c,) = _pod_spec(deps[pod])["containers"]
+        if _base(overlay) == "gpu":
             assert (section.device, section.dtype) == ("cuda", "bfloat16"), comp
             mounts = {m["mountPath"]: m for m in c.get("volumeMounts") or []}
             assert "/models" in mounts and mounts["/models"].get("readOnly"), comp
@@ -349,7 +388,7 @@ def test_config_loads_and_matches_manifests(objs, overlay):
                 assert local.is_dir(), f"{comp}.model {section.model}: {local} missing"
 
 
-def test_services_select_pods_on_declared_ports(objs):
+def test_services_select_pods_on_declared_ports(objs, overlay):
     deps = _of(objs, "Deployment")
     for s in _of(objs, "Service"):
         name = s["metadata"]["name"]
@@ -367,7 +406,9 @@ def test_services_select_pods_on_declared_ports(objs):
             target = p.get("targetPort", p["port"])
             assert target in ports, f"Service {name}: targetPort {target} not declared"
             assert ports[target] == p["port"], f"Service {name}: port {p['port']} != container port"
-    for comp in ("draft", "target", "orchestrator"):
+    for comp in _components(overlay):
+        if comp == "gateway":
+            continue
         h = _one(objs, "Service", f"specdec-{comp}-headless")
         assert h["spec"].get("clusterIP") == "None"
         assert h["spec"].get("publishNotReadyAddresses", False) is False
@@ -395,7 +436,7 @@ def test_pdbs_and_hpa_target_existing_deployments(objs):
                 assert m["resource"]["name"] in c["resources"]["requests"], "HPA needs requests"
 
 
-def test_monitoring_selects_metrics_ports(objs):
+def test_monitoring_selects_metrics_ports(objs, overlay):
     services = _of(objs, "Service")
     scraped = set()
     for sm in _of(objs, "ServiceMonitor"):
@@ -421,7 +462,7 @@ def test_monitoring_selects_metrics_ports(objs):
                 scraped.add(
                     d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
                 )
-    assert scraped == set(COMPONENTS), f"scraped components: {sorted(scraped)}"
+    assert scraped == set(_components(overlay)), f"scraped components: {sorted(scraped)}"
 
 
 def test_prometheus_rule(objs, tmp_path):
@@ -458,8 +499,8 @@ def test_grafana_dashboard_configmap(objs):
 
 
 def test_gpu_scheduling(objs, overlay):
-    deps = _deployments(objs)
-    if overlay != "gpu":
+    deps = _deployments(objs, overlay)
+    if _base(overlay) != "gpu":
         for d in deps.values():
             for c in _pod_spec(d)["containers"]:
                 for part in ("requests", "limits"):
@@ -467,8 +508,10 @@ def test_gpu_scheduling(objs, overlay):
                         "demo must not need GPUs"
                     )
         return
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _of(objs, "HorizontalPodAutoscaler")}
+    pvc_names = {p["metadata"]["name"] for p in _of(objs, "PersistentVolumeClaim")}
     pools = {}
-    for comp in ("draft", "target"):
+    for comp in _model_pods(overlay):
         spec = _pod_spec(deps[comp])
         (c,) = spec["containers"]
         req = c["resources"]["requests"].get("nvidia.com/gpu")
@@ -477,36 +520,58 @@ def test_gpu_scheduling(objs, overlay):
             f"{comp}: nvidia.com/gpu requests {req} limits {lim}"
         )
         assert int(lim) >= 1
+        # The CUDA image's NVIDIA_VISIBLE_DEVICES=void hides the GPUs from a pod.
+        assert _env(c).get("NVIDIA_VISIBLE_DEVICES") != "void", f"{comp}: GPUs hidden"
         node_affinity = (spec.get("affinity") or {}).get("nodeAffinity")
         assert spec.get("nodeSelector") or node_affinity, f"{comp}: no nodeSelector/nodeAffinity"
         pools[comp] = json.dumps([spec.get("nodeSelector"), node_affinity], sort_keys=True)
         tolerated = {t.get("key") for t in spec.get("tolerations") or []}
         assert "nvidia.com/gpu" in tolerated, f"{comp}: no toleration for nvidia.com/gpu"
-        assert deps[comp]["spec"].get("replicas", 1) >= 2, f"{comp}: replicas"
+        name = deps[comp]["metadata"]["name"]
+        replicas = hpas[name]["spec"]["minReplicas"] if name in hpas else None
+        replicas = replicas or deps[comp]["spec"].get("replicas", 1)
+        assert replicas >= 2, f"{comp}: replicas"
         claims = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
         assert claims, f"{comp}: models should come from a PersistentVolumeClaim"
-        pvc_names = {p["metadata"]["name"] for p in _of(objs, "PersistentVolumeClaim")}
         for v in claims:
             assert v["persistentVolumeClaim"]["claimName"] in pvc_names, v
-    assert pools["draft"] != pools["target"], "draft and target should use different node pools"
-    for comp in ("orchestrator", "gateway"):
+    if overlay in ONE_PROCESS:  # both models on one GPU, on the large-GPU pool
+        assert "target-gpu" in pools["orchestrator"], pools
+    else:
+        assert pools["draft"] != pools["target"], "draft and target should use different pools"
+    for comp in set(deps) - set(_model_pods(overlay)):
         for c in _pod_spec(deps[comp])["containers"]:
             assert "nvidia.com/gpu" not in c["resources"]["limits"], f"{comp} needs no GPU"
 
 
-def test_startup_budgets_outlast_what_each_pod_waits_for(objs):
+def _startup_budget(deployment: dict) -> float:
+    probe = _pod_spec(deployment)["containers"][0]["startupProbe"]
+    return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+def test_startup_budgets_outlast_what_each_pod_waits_for(objs, overlay):
     """The orchestrator serves once a target answers and a draft too (or DRAFT_WAIT_S
     more have passed): its connect_timeout_s must outlast their startup budgets (or
     it exits and crash-loops while a GPU model loads), and its own startup probe
-    must outlast that wait (or it is killed while it waits)."""
+    must outlast that wait (or it is killed while it waits). In one process it
+    loads the draft, then the target, before it serves: its startup probe must
+    allow as long as the two model pods of the overlay it builds on allow."""
     from orchestrator.engine import DRAFT_WAIT_S
 
     cfg = _configs(objs)
-    deps = _deployments(objs)
+    deps = _deployments(objs, overlay)
+    if overlay in ONE_PROCESS:
+        base = _base(overlay)
+        services = _deployments(_render(base), base)
+        loads = _startup_budget(services["draft"]) + _startup_budget(services["target"])
+        assert _startup_budget(deps["orchestrator"]) >= loads, (
+            _startup_budget(deps["orchestrator"]),
+            loads,
+        )
+        return
 
     def budget(comp: str) -> float:
-        probe = _pod_spec(deps[comp])["containers"][0]["startupProbe"]
-        return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+        return _startup_budget(deps[comp])
 
     connect = float(cfg["orchestrator"].get("connect_timeout_s", 120))
     services = max(budget("draft"), budget("target"))
@@ -516,24 +581,65 @@ def test_startup_budgets_outlast_what_each_pod_waits_for(objs):
 
 
 def test_gpu_rollouts_need_no_spare_gpu(objs, overlay):
-    """A pool with one GPU per pod has none for a surge pod: draft and target roll
-    by replacing a pod in place (the PodDisruptionBudget allows one down)."""
-    if overlay != "gpu":
+    """A pool with one GPU per pod has none for a surge pod: the pods that load a
+    model roll by replacing a pod in place (the PodDisruptionBudget allows one down)."""
+    if _base(overlay) != "gpu":
         return
-    deps = _deployments(objs)
-    for comp in ("draft", "target"):
+    deps = _deployments(objs, overlay)
+    for comp in _model_pods(overlay):
         rolling = deps[comp]["spec"]["strategy"]["rollingUpdate"]
         assert rolling == {"maxSurge": 0, "maxUnavailable": 1}, (comp, rolling)
 
 
-def test_liveness_probes_ask_what_stays_up_while_draining(objs):
+def test_liveness_probes_ask_what_stays_up_while_draining(objs, overlay):
     """Readiness may turn down on SIGTERM; liveness must not, or a long drain is cut
     short by the kubelet: the gRPC services' liveness asks Health's "liveness"
     (SERVING while the process serves), the gateway's /health/live."""
-    for comp, d in _deployments(objs).items():
+    for comp, d in _deployments(objs, overlay).items():
         (c,) = _pod_spec(d)["containers"]
         probe = c["livenessProbe"]
         if comp == "gateway":
             assert probe["httpGet"]["path"] == "/health/live", probe
         else:
             assert probe["grpc"].get("service") == "liveness", (comp, probe)
+
+
+@pytest.mark.skipif(
+    not (REPO / "models" / "demo").is_dir(), reason="the demo pair (models/demo) is not here"
+)
+def test_the_demo_one_process_pod_serves_the_demo_pair(tmp_path):
+    """What a demo-one-process orchestrator pod runs, run here: its rendered
+    config.yaml (the demo image's /app paths mapped to this checkout, loopback
+    ports) and its container's environment, as a real process. It serves alone
+    (local_models from the environment: no draft or target to wait for), greedy
+    output comes back through the public API, and its one metrics endpoint
+    carries the three build infos the dashboard and alerts join on."""
+    from specdec.local.stack import Stack, free_port, spawn, wait_healthy
+
+    overlay = "demo-one-process"
+    objs = _render(overlay)
+    (c,) = _pod_spec(_deployments(objs, overlay)["orchestrator"])["containers"]
+    assert c["args"] == ["serve", "orchestrator", "--config", f"{CONFIG_MOUNT}/config.yaml"]
+    raw = _configs(objs)
+    for comp in ("draft", "target"):
+        raw[comp]["model"] = str(REPO / raw[comp]["model"].removeprefix("/app/"))
+    raw["orchestrator"].update(host="127.0.0.1", port=free_port(), metrics_port=free_port())
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {**_env(c), "PYTHONPATH": str(REPO)}
+    with open(tmp_path / "orchestrator.log", "wb") as log:
+        proc = spawn("orchestrator", str(path), [], log, {**os.environ, **env})
+    stack = Stack(path, {**raw, "orchestrator": {**raw["orchestrator"], "local_models": True}})
+    stack.procs = [proc]
+    try:
+        wait_healthy(stack.orchestrator_address, 120, [proc])
+        text = stack.generate("Once upon a time", max_new_tokens=16, temperature=0.0, gamma=4)
+        assert text.strip(), text
+        exposition = stack.metrics_text("orchestrator")
+        build = re.findall(r'specdec_build_info\{[^}]*role="(\w+)"', exposition)
+        assert sorted(build) == ["draft", "orchestrator", "target"], build
+    except BaseException:
+        print((tmp_path / "orchestrator.log").read_text()[-4000:])
+        raise
+    finally:
+        stack.stop()
