@@ -1,5 +1,6 @@
 """Passes that call the decoder layers directly (``lean_forward``, the default for
-the Llama family) against the model's wrapped forward, side by side.
+the Llama family) against the model's wrapped forward, side by side (both with
+``fused_projections`` off: ``benchmarks.fused_projections`` measures that).
 
     python -m benchmarks.lean_forward [--repeats 6] [--clients 8] [--window 5]
         [--out results/lean-forward-<time>]
@@ -60,7 +61,7 @@ def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
     """{shape: {wrapped, lean, wrapped_best, lean_best}} ms, one thread, one runner."""
     with torch_threads(1):
         model = load_model(path)
-        runner = RaggedRunner(model)
+        runner = RaggedRunner(model, fused=False)  # (fused: benchmarks.fused_projections)
         if not runner.lean:
             raise SystemExit(f"{path}: its passes cannot call the layers directly")
         packed_linear.pack_model(model, runner, 64, 0)
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {role} | {shape} | {t['wrapped']:.3f} ({t['wrapped_best']:.3f}) | "
                 f"{t['lean']:.3f} ({t['lean_best']:.3f}) | {t['lean'] / t['wrapped']:.2f} |"
             )
-    arms = {arm: arm == "lean" for arm in ARMS}
+    # Unfused on both sides: this compares the direct calls alone.
+    arms = {arm: {"lean_forward": arm == "lean", "fused_projections": False} for arm in ARMS}
     with stacks_per_arm(out, args.draft, args.target, "lean_forward", arms) as stacks:
         clients = {arm: Client(stacks[arm].orchestrator_address) for arm in ARMS}
         via = {f"{arm}:{m}": clients[arm] for arm in ARMS for m in MODES}

@@ -115,6 +115,12 @@ class ModelServiceConfig:
     # where the start-up check finds every logit equal to the wrapped forward's
     # (specdec/runtime/ragged.py, docs/models.md).
     lean_forward: bool = True
+    # Llama, Mistral and Qwen2 (plain nn.Linear projections): in those direct calls, run
+    # each decoder layer with q/k/v in one product and gate/up in another (their
+    # weights become views into the fused ones: no copy), where the start-up check
+    # finds every logit equal to the wrapped forward's; passes that oneDNN's packed
+    # layers take (packed_linear) call the layers as before (specdec/runtime/ragged.py).
+    fused_projections: bool = True
     # glibc: keep up to this many MB of freed memory in the service's heap (and
     # allocations up to 32 MB on it), so that a step's large temporaries are not
     # faulted in anew every step; 0 leaves glibc's defaults (specdec/runtime/memory.py).

@@ -76,7 +76,7 @@ class ModelService:
         # A session may not outgrow the model's table of positions (past it the forward
         # fails, and with it every session sharing that forward).
         self.max_context = min(cfg.max_context, position_limit(self.model) or cfg.max_context)
-        self.runner = RaggedRunner(self.model, lean=cfg.lean_forward)
+        self.runner = RaggedRunner(self.model, lean=cfg.lean_forward, fused=cfg.fused_projections)
         self.vocab_size = self.runner.vocab_size
         self.head = self._quant_head()  # before packing replaces the output layer
         self.packed_min_rows = self._pack_linears()
@@ -115,6 +115,7 @@ class ModelService:
                 "version": specdec.__version__,
                 "packed_linear_min_rows": str(self.packed_min_rows or 0),
                 "lean_forward": str(self.runner.lean).lower(),
+                "fused_projections": str(self.runner.fused).lower(),
             }
         )
         self.sessions.update_gauges()
@@ -176,9 +177,17 @@ class ModelService:
         if not cfg.packed_linear:
             return None
         rows = min(max(packed_linear.CALIBRATION_ROWS), cfg.max_batch_tokens, self.max_context)
-        choice, timings = packed_linear.pack_model(
-            self.model, self.runner, rows, cfg.packed_linear_min_rows
-        )
+        # Calibrated on the layers' own calls (the fused ones would not call the packed
+        # layers); then fused passes stop where packed ones start.
+        fused, self.runner.fused = self.runner.fused, False
+        try:
+            choice, timings = packed_linear.pack_model(
+                self.model, self.runner, rows, cfg.packed_linear_min_rows
+            )
+        finally:
+            self.runner.fused = fused
+        if choice:
+            self.runner.fused_below = choice
         if choice is None and not timings:  # not on this device or dtype, or it failed
             return None
         log.info(

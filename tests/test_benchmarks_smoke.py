@@ -315,6 +315,27 @@ def test_packed_linear_side_by_side_writes_results(tmp_path, llama_pair):
     assert "| target | 5x8 |" in md and "| 1 | seq4 |" in md
 
 
+def test_fused_projections_side_by_side_writes_results(tmp_path, llama_pair):
+    """``benchmarks.fused_projections`` on the tiny pair: pass times both ways, the
+    three services and one process streamed tokens at one client both ways, the
+    services under load, and the report has them."""
+    draft, target = llama_pair
+    run_benchmark(
+        "benchmarks.fused_projections", "--draft", str(draft), "--target", str(target),
+        "--clients", "2", "--repeats", "1", "--warm", "0.2", "--window", "0.5",
+        "--passes", "2", "--max-new-tokens", "8", "--out", str(tmp_path)
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["median"]["2 clients, seq4, fused"] > 0
+    times = result["rates"]["pass_times"]
+    assert set(times) == {"target, 1 thread", "target, 2 threads", "draft, 1 thread"}
+    assert all(t["unfused"] > 0 and t["fused"] > 0 for m in times.values() for t in m.values())
+    for way in ("services", "one"):
+        assert result["rates"]["one_client"][f"{way}:fused:seq4@1"]["tok_s"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| one process | seq4@0 |" in md and "| 2 | adaptive |" in md
+
+
 def test_lean_forward_side_by_side_writes_results(tmp_path, llama_pair):
     """``benchmarks.lean_forward`` on the tiny pair: pass times of both ways for both
     models, both stacks streamed tokens at one client and under load, and the report

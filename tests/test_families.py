@@ -21,7 +21,14 @@ from specdec import cli
 from specdec.config import ModelServiceConfig
 from specdec.errors import Unsupported
 from specdec.runtime.loading import load_model, load_tokenizer
-from specdec.runtime.ragged import LEAN_FAMILIES, Feed, RaggedBatch, RaggedRunner, SessionKV
+from specdec.runtime.ragged import (
+    FUSED_WINDOW,
+    LEAN_FAMILIES,
+    Feed,
+    RaggedBatch,
+    RaggedRunner,
+    SessionKV,
+)
 from target_service.verifier import Verifier
 
 from .inprocess import in_process
@@ -232,3 +239,91 @@ def test_services_follow_the_lean_forward_setting(family_pair, lean):
     _, target = family_pair("llama")
     svc = Verifier(ModelServiceConfig(model=str(target), lean_forward=lean))
     assert svc.runner.lean == lean
+
+
+# ---- fused projections (``RaggedRunner.fused``) ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_layers_run_fused_for_the_fused_families_only(family_pair, kind):
+    """Llama, Mistral and Qwen2 run their lean passes fused (q/k/v and gate/up in one
+    product each), the model's own weights made views into the fused ones (nothing
+    held twice); every other family, ``fused=False`` and remote code do not."""
+    _, target = family_pair(kind)
+    model = load_model(str(target))
+    runner = RaggedRunner(model)
+    assert runner.fused == (kind in FUSED_WINDOW), kind
+    assert not RaggedRunner(load_model(str(target)), fused=False).fused
+    if kind in FUSED_WINDOW:
+        for fused, layer in zip(runner._fused_layers, model.model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+                assert m.weight.untyped_storage().data_ptr() == fused.qkv.data_ptr()
+            for m in (mlp.gate_proj, mlp.up_proj):
+                assert m.weight.untyped_storage().data_ptr() == fused.gate_up.data_ptr()
+        remote = load_model(str(target))
+        remote.__class__ = type("RemoteCausalLM", (type(remote),), {})
+        assert not RaggedRunner(remote).fused
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED_WINDOW))
+def test_fused_passes_equal_the_layers_own_calls_and_leave_the_model_as_it_was(family_pair, kind):
+    """Bit for bit, on the rollback passes above (two sessions in one pass, windows
+    longer than the model's): fused against the layers' own calls, in float32. And
+    the model's own forward after fusing equals that of a model never fused."""
+    _, target = family_pair(kind)
+    model = load_model(str(target))
+    runner = RaggedRunner(model)
+    assert runner.fused
+    outs = {}
+    for fused in (True, False):
+        runner.fused = fused
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, runner.vocab_size, (40,), generator=g).tolist()
+        a, b = SessionKV(), SessionKV()
+        first = runner.forward([Feed(a, tokens[:25], 4)])[0]
+        a.truncate(20)
+        both = runner.forward([Feed(a, tokens[20:], 20), Feed(b, tokens[:7], 7)])
+        (step,) = runner.forward([Feed(b, tokens[7:8], 1)])
+        outs[fused] = torch.cat([first, *both, step])
+    assert torch.equal(outs[True], outs[False]), kind
+    ids = torch.tensor([tokens[:30]])
+    with torch.inference_mode():
+        want = load_model(str(target))(input_ids=ids, use_cache=False).logits
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, want)
+
+
+def test_a_fused_layer_that_changes_a_logit_is_turned_off(family_pair, monkeypatch, caplog):
+    """The planted bug: fused layers off by one part in a million. The start-up check
+    turns fusing off (logged) and keeps the direct calls of the unfused layers."""
+    from specdec.runtime.ragged import FusedLayer
+
+    _, target = family_pair("llama")
+    call = FusedLayer.__call__
+
+    def off(self, *args):
+        return call(self, *args) * (1 + 1e-6)
+
+    monkeypatch.setattr(FusedLayer, "__call__", off)
+    with caplog.at_level("INFO"):
+        runner = RaggedRunner(load_model(str(target)))
+    assert runner.lean and not runner.fused
+    assert "fused projections are off" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_fused_layer_that_ignores_the_window_is_turned_off(family_pair, kind, monkeypatch):
+    """The planted bug: the fused layers attend as if the family had no sliding window
+    (``FUSED_WINDOW`` wrong). The self-test's 24 tokens outrun the tests' windows, so
+    its logits differ and fusing is off; the unfused direct calls still serve."""
+    _, target = family_pair(kind)
+    monkeypatch.setitem(FUSED_WINDOW, kind, lambda attn: None)
+    runner = RaggedRunner(load_model(str(target)))
+    assert runner.lean and not runner.fused
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_services_follow_the_fused_projections_setting(family_pair, fused):
+    _, target = family_pair("llama")
+    svc = Verifier(ModelServiceConfig(model=str(target), fused_projections=fused))
+    assert svc.runner.fused == fused

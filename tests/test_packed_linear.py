@@ -24,7 +24,7 @@ from specdec.config import ModelServiceConfig
 from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model, load_tokenizer
 from specdec.runtime.packed_linear import OFF, PackedLinear, choose_min_rows
-from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+from specdec.runtime.ragged import FUSED_ANY, Feed, RaggedRunner, SessionKV
 from target_service.verifier import Verifier
 
 pytestmark = pytest.mark.skipif(
@@ -148,6 +148,30 @@ def test_services_follow_the_packed_linear_settings(llama_pair, settings, packed
         assert bool(layers) == packed
         assert svc.packed_min_rows == (2 if packed else None)
         assert all(m.min_rows == 2 for m in layers)
+        # Fused passes stop where the packed layers start (``RaggedRunner.fused``).
+        assert svc.runner.fused and svc.runner.fused_below == (2 if packed else FUSED_ANY)
+
+
+def test_fused_passes_below_the_packing_size_and_packed_layers_from_it(llama_pair):
+    """A pass shorter than ``packed_linear_min_rows`` runs the layers fused (its
+    products take the layers' own weights: no packed layer is called but the output
+    layer); one of that size or more calls every packed layer. Both give the logits
+    of the unfused model, bit for bit, where the packed ones agree with stock."""
+    _, target = llama_pair
+    svc = Verifier(ModelServiceConfig(model=str(target), packed_linear_min_rows=4),
+                   load_model(str(target)), None)  # fmt: skip
+    packed = [m for m in svc.model.modules() if isinstance(m, PackedLinear)]
+    calls = []
+    for m in packed:
+        m.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    for rows in (1, 3, 4, 9):
+        calls.clear()
+        svc.runner.forward([Feed(SessionKV(), list(range(5, 5 + rows)), 1)])
+        called = {id(m) for m in calls}
+        if rows < 4:
+            assert called <= {id(svc.model.lm_head)}, rows  # the layers ran fused
+        else:
+            assert called == {id(m) for m in packed}, rows
 
 
 def test_a_model_onednn_cannot_pack_is_served_with_plain_layers(llama_pair, monkeypatch):
@@ -174,6 +198,7 @@ def test_direct_layer_calls_use_the_packed_layers(tied):
     runner = RaggedRunner(model)
     assert runner.lean
     packed_linear.install(model)
+    runner.fused_below = 1  # (as a service does: fused passes stop where packing starts)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     calls = []
     for m in packed:

@@ -26,6 +26,11 @@ only for transformers' own classes of those families (not remote code), and
 only where the start-up check finds its logits equal, bit for bit, to those of
 the wrapped forward.
 
+Of those, Llama, Mistral and Qwen2 layers may also run fused (``FusedLayer``,
+``fused``): q, k and v in one product, gate and up in another, everything else
+as the layer does it. The layer's weights become views into the fused ones, so
+nothing is held twice; the same start-up check, bit for bit, keeps it or not.
+
 Which models it serves is decided at start-up, not mid-request: the runner
 checks a packed forward (two sessions, a rollback, a decode step) against the
 model's own forward on a few tokens and refuses, naming the model type, a
@@ -42,7 +47,10 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +66,18 @@ ATTENTION = "specdec_ragged"
 # the cache), norm, then lm_head over the kept positions (transformers 5.24). Their
 # passes skip that forward's wrapper (``RaggedRunner.lean``).
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+# Of those, the families whose decoder layer is exactly: input norm, q/k/v projections,
+# the rotary embedding (their module's apply_rotary_pos_emb), the attention with this
+# sliding window, o projection, residual; post-attention norm, down(act(gate) * up),
+# residual (transformers 5.24). A lean pass may run such a layer fused
+# (``RaggedRunner.fused``): q, k, v in one product and gate, up in another.
+FUSED_WINDOW: dict[str, Callable[[Any], int | None]] = {
+    "llama": lambda attn: None,
+    "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
+    "qwen2": lambda attn: attn.sliding_window,
+}
 _MIN_CAPACITY = 64
+FUSED_ANY = 1 << 62  # ``RaggedRunner.fused_below``: passes of any size run fused
 # Attention arguments a model may pass that we understand; anything else
 # unknown (e.g. attention sinks) makes the model unsupported, loudly.
 _KNOWN_KWARGS = {
@@ -309,13 +328,26 @@ def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
 class RaggedRunner:
     """A causal LM run over packed rows of many sessions' new tokens."""
 
-    def __init__(self, model, self_test: bool = True, lean: bool = True) -> None:
+    def __init__(
+        self, model, self_test: bool = True, lean: bool = True, fused: bool = True
+    ) -> None:
         """``lean``: skip the model forward's wrapper where that is safe (the
-        module's docstring); only after ``self_test``, which checks it."""
+        module's docstring); only after ``self_test``, which checks it. ``fused``:
+        in lean passes, run each decoder layer fused where that is safe
+        (``FusedLayer``), also checked by ``self_test``; this makes the model's q/k/v
+        and gate/up weights views into the fused ones."""
         self.model = model
         config = model.config
+        # The layers a lean pass runs (read once: a config attribute goes through
+        # transformers' __getattribute__, some microseconds on every pass).
+        self.num_layers = getattr(config, "num_hidden_layers", None)
         # Whether passes call the layers directly (else the model's own forward).
         self.lean = lean and self_test and _lean_family(model)
+        # Whether lean passes of fewer than ``fused_below`` tokens run the layers fused
+        # (a model service sets it where oneDNN's packed layers take over).
+        self._fused_layers = fuse_layers(model) if self.lean and fused else None
+        self.fused = self._fused_layers is not None
+        self.fused_below = FUSED_ANY
         self.model_type = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
         # The ragged attention is switched on for our forwards only: the same model
         # object keeps working with generate() and its own caches elsewhere.
@@ -376,6 +408,7 @@ class RaggedRunner:
                 f"({type(e).__name__}: {e})"
             ) from e
         lean, self.lean = self.lean, False
+        fused, self.fused = self.fused, False
         try:
             packed = self._self_test_passes(tokens)  # [9, V] through the model's forward
         except Exception as e:
@@ -405,6 +438,16 @@ class RaggedRunner:
                 self.lean = False
                 log.warning("model type %s: calling the layers directly is off (%s)",
                             self.model_type, why)  # fmt: skip
+        if fused and self.lean:  # the same passes with the layers fused
+            self.fused = True
+            try:
+                same = torch.equal(self._self_test_passes(tokens), packed)
+                why = "its logits differ from the model forward's"
+            except Exception as e:
+                same, why = False, f"{type(e).__name__}: {e}"
+            if not same:
+                self.fused = False
+                log.info("model type %s: fused projections are off (%s)", self.model_type, why)
 
     def _self_test_passes(self, tokens: list[int]) -> torch.Tensor:
         """The self-test's passes on fresh sessions: two sessions in one pass, one of
@@ -510,15 +553,20 @@ class RaggedRunner:
         model, base = self.model, self.model.model
         hidden = base.embed_tokens(ids)  # [1, N, hidden]
         position_embeddings = base.rotary_emb(hidden, position_ids=pos)
-        for layer in base.layers[: model.config.num_hidden_layers]:
-            hidden = layer(
-                hidden,
-                attention_mask=None,  # the ragged attention builds its own
-                position_embeddings=position_embeddings,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
-            )
+        if self.fused and ids.shape[1] < self.fused_below:
+            for fused in self._fused_layers:
+                hidden = fused(hidden, position_embeddings, cache)
+        else:
+            # (islice: slicing a ModuleList builds a new one, module by module, each pass)
+            for layer in itertools.islice(base.layers, self.num_layers):
+                hidden = layer(
+                    hidden,
+                    attention_mask=None,  # the ragged attention builds its own
+                    position_embeddings=position_embeddings,
+                    position_ids=pos,
+                    cache=cache,
+                    use_cache=True,
+                )
         last = base.norm(hidden)[:, kept]  # [1, kept, hidden]
         if captured is not None:
             captured.append(last)
@@ -538,3 +586,104 @@ def _lean_family(model) -> bool:
     if not all(type(m).__module__.startswith(ours) for m in (model, base)):
         return False
     return all(hasattr(base, name) for name in needed) and hasattr(model, "lm_head")
+
+
+class FusedLayer:
+    """One decoder layer of a ``FUSED_WINDOW`` family, run with q, k and v in one
+    product and gate and up in another: the same operations on the same values as
+    the layer's own forward (its norms and activation are its own modules), minus
+    three products and the modules' calls. A one-layer draft's pass takes about a
+    fifth less time, a verify of the 8-layer demo target about a tenth
+    (``docs/benchmarks.md``, "Fused projections").
+
+    The fused weights hold the layer's own: its q/k/v and gate/up weights become
+    views into them (``fuse_layers``), so that the model keeps working as before
+    (its own forward, ``generate()``, packing) and no weight is held twice."""
+
+    def __init__(self, layer: Any, family: str) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.act = mlp.act_fn
+        self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
+        self.window = FUSED_WINDOW[family](attn)
+        self.rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.sizes = [m.out_features for m in projections]
+        self.qkv, self.qkv_bias = _fuse(projections)
+        self.o_proj, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
+        self.gate_up, self.gate_up_bias = _fuse((mlp.gate_proj, mlp.up_proj))
+        self.inter = mlp.gate_proj.out_features
+        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        cache: RaggedBatch,
+    ) -> torch.Tensor:
+        """hidden: [1, N, d] -> [1, N, d], and the layer's keys and values in ``cache``."""
+        n = hidden.shape[1]
+        x = self.input_norm(hidden)
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.sizes, dim=-1)
+        q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, heads, N, head_dim]
+        k = k.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, kv_heads, N, head_dim]
+        v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = self.rotary(q, k, cos, sin)
+        cache.update(k, v, self.layer_idx)
+        o = cache.attend(self.layer_idx, q, self.scaling, self.window, None)  # [1, N, heads, hd]
+        hidden = hidden + F.linear(o.reshape(1, n, -1).contiguous(), self.o_proj, self.o_bias)
+        x = self.post_norm(hidden)
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.inter, dim=-1)
+        return hidden + F.linear(self.act(gate) * up, self.down, self.down_bias)
+
+
+def _fuse(linears: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for these linear layers, stacked by output row; each
+    layer's own weight and bias become views into it."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([m.bias.detach() for m in linears])
+    at = 0
+    for m in linears:
+        rows = slice(at, at + m.out_features)
+        m.weight = torch.nn.Parameter(weight[rows], requires_grad=m.weight.requires_grad)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[rows], requires_grad=m.bias.requires_grad)
+        at += m.out_features
+    return weight, bias
+
+
+def fuse_layers(model) -> list[FusedLayer] | None:
+    """Each decoder layer fused, for a model whose every layer is its family's plain
+    layer (``FUSED_WINDOW``; plain ``nn.Linear`` projections, all biased or none, no
+    hooks); None for any other."""
+    family = getattr(model.config, "model_type", None)
+    if family not in FUSED_WINDOW or not _lean_family(model):
+        return None
+    layers = list(model.model.layers[: model.config.num_hidden_layers])
+
+    def plain(layer) -> bool:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        linears = [getattr(attn, n, None) for n in names]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(m) is torch.nn.Linear for m in linears):
+            return False
+        qkv, gate_up = linears[:3], linears[4:6]  # (each fused: all biased, or none)
+        if len({m.bias is None for m in qkv}) != 1 or len({m.bias is None for m in gate_up}) != 1:
+            return False
+        ours = f"transformers.models.{family}."
+        modules = list(layer.modules())
+        return (
+            type(layer).__module__.startswith(ours)
+            and type(attn).__module__.startswith(ours)
+            and not any(hasattr(attn, n) for n in ("q_norm", "k_norm"))
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+            and not any(hasattr(m, "_hf_hook") for m in modules)
+        )
+
+    if not layers or not all(plain(layer) for layer in layers):
+        return None
+    return [FusedLayer(layer, family) for layer in layers]
