@@ -1,5 +1,5 @@
-"""Decoder layers run fused (``fused_projections``, the default for Llama, Mistral and
-Qwen2) against their own calls, side by side.
+"""Decoder layers run fused (``fused_projections``, the default for Llama, Mistral,
+Qwen2 and Qwen3) against their own calls, side by side.
 
     python -m benchmarks.fused_projections [--repeats 4] [--clients 8] [--passes 200]
         [--out results/fused-projections-<time>]

@@ -115,7 +115,7 @@ class ModelServiceConfig:
     # where the start-up check finds every logit equal to the wrapped forward's
     # (specdec/runtime/ragged.py, docs/models.md).
     lean_forward: bool = True
-    # Llama, Mistral and Qwen2 (plain nn.Linear projections): in those direct calls, run
+    # Llama, Mistral, Qwen2, Qwen3 (plain nn.Linear projections): in those direct calls, run
     # each decoder layer with q/k/v in one product and gate/up in another (their
     # weights become views into the fused ones: no copy), where the start-up check
     # finds every logit equal to the wrapped forward's; passes that oneDNN's packed

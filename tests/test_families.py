@@ -246,7 +246,7 @@ def test_services_follow_the_lean_forward_setting(family_pair, lean):
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_layers_run_fused_for_the_fused_families_only(family_pair, kind):
-    """Llama, Mistral and Qwen2 run their lean passes fused (q/k/v and gate/up in one
+    """Llama, Mistral, Qwen2 and Qwen3 run their lean passes fused (q/k/v and gate/up in one
     product each), the model's own weights made views into the fused ones (nothing
     held twice); every other family, ``fused=False`` and remote code do not."""
     _, target = family_pair(kind)
@@ -311,13 +311,29 @@ def test_a_fused_layer_that_changes_a_logit_is_turned_off(family_pair, monkeypat
     assert "fused projections are off" in caplog.text
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_a_fused_layer_that_ignores_the_window_is_turned_off(family_pair, kind, monkeypatch):
     """The planted bug: the fused layers attend as if the family had no sliding window
     (``FUSED_WINDOW`` wrong). The self-test's 24 tokens outrun the tests' windows, so
     its logits differ and fusing is off; the unfused direct calls still serve."""
     _, target = family_pair(kind)
     monkeypatch.setitem(FUSED_WINDOW, kind, lambda attn: None)
+    runner = RaggedRunner(load_model(str(target)))
+    assert runner.lean and not runner.fused
+
+
+def test_a_fused_layer_that_skips_qwen3s_head_norms_is_turned_off(family_pair, monkeypatch):
+    """The planted bug: Qwen3's per-head q/k norms left out of the fused layers."""
+    from specdec.runtime.ragged import FusedLayer
+
+    _, target = family_pair("qwen3")
+    init = FusedLayer.__init__
+
+    def without_norms(self, layer, family):
+        init(self, layer, family)
+        self.q_norm = None
+
+    monkeypatch.setattr(FusedLayer, "__init__", without_norms)
     runner = RaggedRunner(load_model(str(target)))
     assert runner.lean and not runner.fused
 

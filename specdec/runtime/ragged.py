@@ -26,7 +26,7 @@ only for transformers' own classes of those families (not remote code), and
 only where the start-up check finds its logits equal, bit for bit, to those of
 the wrapped forward.
 
-Of those, Llama, Mistral and Qwen2 layers may also run fused (``FusedLayer``,
+Of those, Llama, Mistral, Qwen2 and Qwen3 layers may also run fused (``FusedLayer``,
 ``fused``): q, k and v in one product, gate and up in another, everything else
 as the layer does it. The layer's weights become views into the fused ones, so
 nothing is held twice; the same start-up check, bit for bit, keeps it or not.
@@ -66,16 +66,19 @@ ATTENTION = "specdec_ragged"
 # the cache), norm, then lm_head over the kept positions (transformers 5.24). Their
 # passes skip that forward's wrapper (``RaggedRunner.lean``).
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
-# Of those, the families whose decoder layer is exactly: input norm, q/k/v projections,
-# the rotary embedding (their module's apply_rotary_pos_emb), the attention with this
-# sliding window, o projection, residual; post-attention norm, down(act(gate) * up),
-# residual (transformers 5.24). A lean pass may run such a layer fused
-# (``RaggedRunner.fused``): q, k, v in one product and gate, up in another.
+# Of those, the families whose decoder layer is exactly: input norm, q/k/v projections
+# (Qwen3: q and k each through its per-head norm, ``FUSED_QK_NORM``), the rotary
+# embedding (their module's apply_rotary_pos_emb), the attention with this sliding
+# window, o projection, residual; post-attention norm, down(act(gate) * up), residual
+# (transformers 5.24). A lean pass may run such a layer fused (``RaggedRunner.fused``):
+# q, k, v in one product and gate, up in another.
 FUSED_WINDOW: dict[str, Callable[[Any], int | None]] = {
     "llama": lambda attn: None,
     "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
     "qwen2": lambda attn: attn.sliding_window,
+    "qwen3": lambda attn: attn.sliding_window,
 }
+FUSED_QK_NORM = frozenset({"qwen3"})
 _MIN_CAPACITY = 64
 FUSED_ANY = 1 << 62  # ``RaggedRunner.fused_below``: passes of any size run fused
 # Attention arguments a model may pass that we understand; anything else
@@ -606,6 +609,8 @@ class FusedLayer:
         self.act = mlp.act_fn
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
         self.window = FUSED_WINDOW[family](attn)
+        # (Qwen3: per-head norms of q and k, before the rotary embedding)
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.sizes = [m.out_features for m in projections]
@@ -625,8 +630,11 @@ class FusedLayer:
         n = hidden.shape[1]
         x = self.input_norm(hidden)
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.sizes, dim=-1)
-        q = q.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, heads, N, head_dim]
-        k = k.view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, kv_heads, N, head_dim]
+        q = q.view(1, n, -1, self.head_dim)  # [1, N, heads, head_dim]
+        k = k.view(1, n, -1, self.head_dim)  # [1, N, kv_heads, head_dim]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads or kv_heads, N, head_dim]
         v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = self.rotary(q, k, cos, sin)
@@ -679,7 +687,7 @@ def fuse_layers(model) -> list[FusedLayer] | None:
         return (
             type(layer).__module__.startswith(ours)
             and type(attn).__module__.startswith(ours)
-            and not any(hasattr(attn, n) for n in ("q_norm", "k_norm"))
+            and all(hasattr(attn, n) == (family in FUSED_QK_NORM) for n in ("q_norm", "k_norm"))
             and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
             and not any(hasattr(m, "_hf_hook") for m in modules)
         )
