@@ -25,13 +25,12 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
-from specdec.runtime.ragged import Feed, RaggedRunner, SessionKV
+from specdec.runtime.ragged import RaggedRunner
 
 from .common import (
     DEFAULT_DRAFT,
@@ -43,10 +42,10 @@ from .common import (
     torch_threads,
 )
 from .head_to_head import start_one_process
+from .lean_forward import alternating_passes
 from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
-SHAPES = ((1, 1), (5, 1), (5, 8), (1, 32))  # tokens x sessions
 MODES = {
     "plain@0": {"temperature": 0.0, "gamma": 0},
     "seq4@0": {"temperature": 0.0, "gamma": 4, "overlap": False},
@@ -59,7 +58,6 @@ SUSTAINED = ("plain", "seq4", "adaptive")  # CONCURRENCY_MODES, at T=1
 MAX_NEW = 64
 
 
-@torch.inference_mode()
 def pass_times(path: str, passes: int, threads: int) -> dict[str, dict[str, float]]:
     """{shape: {unfused, fused, unfused_best, fused_best}} ms, one runner."""
     with torch_threads(threads):
@@ -70,26 +68,11 @@ def pass_times(path: str, passes: int, threads: int) -> dict[str, dict[str, floa
         runner.fused = False  # calibrated as a service calibrates
         choice, _ = packed_linear.pack_model(model, runner, 64, 0)
         runner.fused_below = choice or runner.fused_below
-        out = {}
-        for tokens, sessions in SHAPES:
-            v = runner.vocab_size
-            kvs = [SessionKV() for _ in range(sessions)]
-            runner.forward([Feed(kv, [t % v for t in range(10, 60)], 1) for kv in kvs])
-            times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-            for i in range(passes):
-                fed = [(i + j + 5) % v for j in range(tokens)]
-                for arm in ARMS if i % 2 else ARMS[::-1]:
-                    runner.fused = arm == "fused"
-                    feeds = [Feed(kv, fed, tokens) for kv in kvs]
-                    t = time.perf_counter()
-                    runner.forward(feeds)
-                    times[arm].append(1e3 * (time.perf_counter() - t))
-                    for kv in kvs:
-                        kv.truncate(50)
-            cell = {arm: statistics.median(ts) for arm, ts in times.items()}
-            cell |= {f"{arm}_best": min(ts) for arm, ts in times.items()}
-            out[f"{tokens}x{sessions}"] = cell
-    return out
+
+        def way(fused: bool) -> Callable[[], None]:
+            return lambda: setattr(runner, "fused", fused)
+
+        return alternating_passes(runner, {arm: way(arm == "fused") for arm in ARMS}, passes)
 
 
 def main(argv: list[str] | None = None) -> int:

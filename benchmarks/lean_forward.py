@@ -24,6 +24,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,6 +58,34 @@ MAX_NEW = 64
 
 
 @torch.inference_mode()
+def alternating_passes(
+    runner: RaggedRunner, arms: dict[str, Callable[[], None]], passes: int
+) -> dict[str, dict[str, float]]:
+    """{shape: {arm, arm_best, ...}} ms: for each of ``SHAPES``, ``passes`` passes per
+    arm, the arms alternating pass by pass (``arms[arm]()`` switches ``runner`` to it)."""
+    out = {}
+    for tokens, sessions in SHAPES:
+        v = runner.vocab_size
+        kvs = [SessionKV() for _ in range(sessions)]
+        runner.forward([Feed(kv, [t % v for t in range(10, 60)], 1) for kv in kvs])
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        names = list(arms)
+        for i in range(passes):
+            fed = [(i + j + 5) % v for j in range(tokens)]
+            for arm in names if i % 2 else names[::-1]:
+                arms[arm]()
+                feeds = [Feed(kv, fed, tokens) for kv in kvs]
+                t = time.perf_counter()
+                runner.forward(feeds)
+                times[arm].append(1e3 * (time.perf_counter() - t))
+                for kv in kvs:
+                    kv.truncate(50)
+        cell = {arm: statistics.median(ts) for arm, ts in times.items()}
+        cell |= {f"{arm}_best": min(ts) for arm, ts in times.items()}
+        out[f"{tokens}x{sessions}"] = cell
+    return out
+
+
 def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
     """{shape: {wrapped, lean, wrapped_best, lean_best}} ms, one thread, one runner."""
     with torch_threads(1):
@@ -65,26 +94,11 @@ def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
         if not runner.lean:
             raise SystemExit(f"{path}: its passes cannot call the layers directly")
         packed_linear.pack_model(model, runner, 64, 0)
-        out = {}
-        for tokens, sessions in SHAPES:
-            v = runner.vocab_size
-            kvs = [SessionKV() for _ in range(sessions)]
-            runner.forward([Feed(kv, [t % v for t in range(10, 60)], 1) for kv in kvs])
-            times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-            for i in range(passes):
-                fed = [(i + j + 5) % v for j in range(tokens)]
-                for arm in ARMS if i % 2 else ARMS[::-1]:
-                    runner.lean = arm == "lean"
-                    feeds = [Feed(kv, fed, tokens) for kv in kvs]
-                    t = time.perf_counter()
-                    runner.forward(feeds)
-                    times[arm].append(1e3 * (time.perf_counter() - t))
-                    for kv in kvs:
-                        kv.truncate(50)
-            cell = {arm: statistics.median(ts) for arm, ts in times.items()}
-            cell |= {f"{arm}_best": min(ts) for arm, ts in times.items()}
-            out[f"{tokens}x{sessions}"] = cell
-    return out
+
+        def way(lean: bool) -> Callable[[], None]:
+            return lambda: setattr(runner, "lean", lean)
+
+        return alternating_passes(runner, {arm: way(arm == "lean") for arm in ARMS}, passes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -432,25 +432,27 @@ class RaggedRunner:
             )
         if lean:
             self.lean = True
-            try:
-                same = torch.equal(self._self_test_passes(tokens), packed)
-                why = "its logits differ from the model forward's"
-            except Exception as e:
-                same, why = False, f"{type(e).__name__}: {e}"
-            if not same:
+            why = self._differs(tokens, packed)
+            if why:
                 self.lean = False
                 log.warning("model type %s: calling the layers directly is off (%s)",
                             self.model_type, why)  # fmt: skip
         if fused and self.lean:  # the same passes with the layers fused
             self.fused = True
-            try:
-                same = torch.equal(self._self_test_passes(tokens), packed)
-                why = "its logits differ from the model forward's"
-            except Exception as e:
-                same, why = False, f"{type(e).__name__}: {e}"
-            if not same:
+            why = self._differs(tokens, packed)
+            if why:
                 self.fused = False
                 log.info("model type %s: fused projections are off (%s)", self.model_type, why)
+
+    def _differs(self, tokens: list[int], want: torch.Tensor) -> str:
+        """Why the self-test's passes, run the way now set, are not ``want`` bit for
+        bit; "" when they are."""
+        try:
+            if torch.equal(self._self_test_passes(tokens), want):
+                return ""
+            return "its logits differ from the model forward's"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
 
     def _self_test_passes(self, tokens: list[int]) -> torch.Tensor:
         """The self-test's passes on fresh sessions: two sessions in one pass, one of
