@@ -21,10 +21,8 @@ Paired ratios. Prints a table; writes results.json and results.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,8 +31,6 @@ from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import RaggedRunner
 
 from .common import (
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
     PROMPTS,
     Client,
     machine_info,
@@ -42,8 +38,16 @@ from .common import (
     torch_threads,
 )
 from .head_to_head import start_one_process
-from .lean_forward import alternating_passes
-from .plain_runs import ratios, save_side_by_side, side_by_side_header
+from .lean_forward import (
+    SUSTAINED,
+    alternating_passes,
+    paired_cell,
+    pass_rows,
+    side_by_side_args,
+    step_cell,
+    sustained_rows,
+)
+from .plain_runs import save_side_by_side, side_by_side_header
 from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
 MODES = {
@@ -54,7 +58,6 @@ MODES = {
 }
 ARMS = ("unfused", "fused")
 WAYS = ("services", "one")  # the three services; one process
-SUSTAINED = ("plain", "seq4", "adaptive")  # CONCURRENCY_MODES, at T=1
 MAX_NEW = 64
 
 
@@ -76,17 +79,7 @@ def pass_times(path: str, passes: int, threads: int) -> dict[str, dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    ap.add_argument("--target", default=str(DEFAULT_TARGET))
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--clients", type=int, nargs="*", default=[8])
-    ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
-    ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
-    ap.add_argument("--passes", type=int, default=200, help="passes per arm and shape")
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
-    ap.add_argument("--out", default=f"results/fused-projections-{time.strftime('%Y%m%d-%H%M%S')}")
-    args = ap.parse_args(argv)
+    args = side_by_side_args(__doc__, "fused-projections", 4).parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
@@ -98,16 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             ("draft", args.draft, 1),
         )
     }
-    rows = [
-        "| model | tokens x sessions | unfused ms (best) | fused ms (best) | fused / unfused |",
-        "|---" * 5 + "|",
-    ]
-    for model, shapes in passes.items():
-        for shape, t in shapes.items():
-            rows.append(
-                f"| {model} | {shape} | {t['unfused']:.3f} ({t['unfused_best']:.3f}) | "
-                f"{t['fused']:.3f} ({t['fused_best']:.3f}) | {t['fused'] / t['unfused']:.2f} |"
-            )
+    rows = pass_rows(passes, ARMS)
     arms = {arm: arm == "fused" for arm in ARMS}
     with stacks_per_arm(out, args.draft, args.target, "fused_projections", arms) as stacks:
         # Each arm's one-process orchestrator reads its stack's config: the same setting.
@@ -143,38 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         "fused step |",
         "|---" * 7 + "|",
     ]
-
-    def step(row: dict) -> str:
-        ms = row["ms_per_step"]
-        return (
-            f"{ms['step']:.2f} ({ms['draft_forward']:.2f} + {ms['target_forward']:.2f}, "
-            f"{ms['overhead']:.2f})"
-        )
-
     for way in WAYS:
         for m in MODES:
             a, b = one[f"{way}:unfused:{m}"], one[f"{way}:fused:{m}"]
-            paired = ratios(b["tok_s_runs"], a["tok_s_runs"])
             lines.append(
                 f"| {'three services' if way == 'services' else 'one process'} | {m} | "
-                f"{a['tok_s']:.1f} | {b['tok_s']:.1f} | {statistics.median(paired):.3f} "
-                f"({', '.join(f'{x:.2f}' for x in paired)}) | {step(a)} | {step(b)} |"
+                f"{a['tok_s']:.1f} | {b['tok_s']:.1f} | "
+                f"{paired_cell(a['tok_s_runs'], b['tok_s_runs'])} | {step_cell(a)} | "
+                f"{step_cell(b)} |"
             )
     if args.clients:
         lines += ["", "## Sustained load, three services (tok/s)", ""]
-        lines += [
-            "| clients | mode | unfused | fused | fused / unfused (paired) |",
-            "|---" * 5 + "|",
-        ]
+        lines += sustained_rows(rates, args.clients, ARMS)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    for n in args.clients:
-        for mode in SUSTAINED:
-            a, b = rates[f"{n} clients, {mode}, unfused"], rates[f"{n} clients, {mode}, fused"]
-            paired = ratios(b, a)
-            lines.append(
-                f"| {n} | {mode} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | "
-                f"{statistics.median(paired):.3f} ({', '.join(f'{x:.2f}' for x in paired)}) |"
-            )
     results = rates | {"pass_times": passes, "one_client": one}
     save_side_by_side(out, lines, info, results, med)
     return 0

@@ -101,33 +101,72 @@ def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
         return alternating_passes(runner, {arm: way(arm == "lean") for arm in ARMS}, passes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def side_by_side_args(doc: str, name: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of a benchmark of one model-service setting on and off."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
-    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--clients", type=int, nargs="*", default=[8])
     ap.add_argument("--warm", type=float, default=1.5, help="seconds not counted per round")
     ap.add_argument("--window", type=float, default=5.0, help="seconds counted per round")
     ap.add_argument("--passes", type=int, default=200, help="passes per arm and shape")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
-    ap.add_argument("--out", default=f"results/lean-forward-{time.strftime('%Y%m%d-%H%M%S')}")
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=f"results/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return ap
+
+
+def pass_rows(passes: dict[str, dict[str, dict[str, float]]], arms: tuple[str, str]) -> list[str]:
+    """The pass-time table: {model: {shape: times}}, ``arms`` (before, after)."""
+    a, b = arms
+    rows = [f"| model | tokens x sessions | {a} ms (best) | {b} ms (best) | {b} / {a} |"]
+    rows.append("|---" * 5 + "|")
+    for model, shapes in passes.items():
+        for shape, t in shapes.items():
+            rows.append(
+                f"| {model} | {shape} | {t[a]:.3f} ({t[f'{a}_best']:.3f}) | "
+                f"{t[b]:.3f} ({t[f'{b}_best']:.3f}) | {t[b] / t[a]:.2f} |"
+            )
+    return rows
+
+
+def step_cell(row: dict) -> str:
+    """A mode's ms per step: all (draft forwards + target forwards, the rest)."""
+    ms = row["ms_per_step"]
+    return (
+        f"{ms['step']:.2f} ({ms['draft_forward']:.2f} + {ms['target_forward']:.2f}, "
+        f"{ms['overhead']:.2f})"
+    )
+
+
+def paired_cell(before: list[float], after: list[float]) -> str:
+    """The median of the per-round ratios after / before, and the ratios."""
+    paired = ratios(after, before)
+    return f"{statistics.median(paired):.3f} ({', '.join(f'{x:.2f}' for x in paired)})"
+
+
+def sustained_rows(rates: dict, clients: list[int], arms: tuple[str, str]) -> list[str]:
+    """The sustained-load table of ``sustained_side_by_side``'s rates."""
+    a, b = arms
+    rows = [f"| clients | mode | {a} | {b} | {b} / {a} (paired) |", "|---" * 5 + "|"]
+    for n in clients:
+        for mode in SUSTAINED:
+            x, y = rates[f"{n} clients, {mode}, {a}"], rates[f"{n} clients, {mode}, {b}"]
+            rows.append(
+                f"| {n} | {mode} | {statistics.median(x):.0f} | {statistics.median(y):.0f} | "
+                f"{paired_cell(x, y)} |"
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = side_by_side_args(__doc__, "lean-forward", 6).parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
     passes = {role: pass_times(path, args.passes) for role, path in
               (("target", args.target), ("draft", args.draft))}  # fmt: skip
-    rows = [
-        "| model | tokens x sessions | wrapped ms (best) | lean ms (best) | lean / wrapped |",
-        "|---" * 5 + "|",
-    ]
-    for role, shapes in passes.items():
-        for shape, t in shapes.items():
-            rows.append(
-                f"| {role} | {shape} | {t['wrapped']:.3f} ({t['wrapped_best']:.3f}) | "
-                f"{t['lean']:.3f} ({t['lean_best']:.3f}) | {t['lean'] / t['wrapped']:.2f} |"
-            )
+    rows = pass_rows(passes, ARMS)
     # Unfused on both sides: this compares the direct calls alone.
     arms = {arm: {"lean_forward": arm == "lean", "fused_projections": False} for arm in ARMS}
     with stacks_per_arm(out, args.draft, args.target, "lean_forward", arms) as stacks:
@@ -157,30 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for m in MODES:
         a, b = one[f"wrapped:{m}"], one[f"lean:{m}"]
-        paired = ratios(b["tok_s_runs"], a["tok_s_runs"])
-
-        def step(row: dict) -> str:
-            ms = row["ms_per_step"]
-            return (
-                f"{ms['step']:.2f} ({ms['draft_forward']:.2f} + {ms['target_forward']:.2f}, "
-                f"{ms['overhead']:.2f})"
-            )
-
         lines.append(
-            f"| {m} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | {statistics.median(paired):.3f} "
-            f"({', '.join(f'{x:.2f}' for x in paired)}) | {step(a)} | {step(b)} |"
+            f"| {m} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | "
+            f"{paired_cell(a['tok_s_runs'], b['tok_s_runs'])} | {step_cell(a)} | {step_cell(b)} |"
         )
-    lines += ["", "## Sustained load (tok/s)", ""]
-    lines += ["| clients | mode | wrapped | lean | lean / wrapped (paired) |", "|---" * 5 + "|"]
+    lines += ["", "## Sustained load (tok/s)", ""] + sustained_rows(rates, args.clients, ARMS)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    for n in args.clients:
-        for mode in SUSTAINED:
-            a, b = rates[f"{n} clients, {mode}, wrapped"], rates[f"{n} clients, {mode}, lean"]
-            paired = ratios(b, a)
-            lines.append(
-                f"| {n} | {mode} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | "
-                f"{statistics.median(paired):.3f} ({', '.join(f'{x:.2f}' for x in paired)}) |"
-            )
     results = rates | {"pass_times": passes, "one_client": one}
     save_side_by_side(out, lines, info, results, med)
     return 0
