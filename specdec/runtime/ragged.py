@@ -597,8 +597,8 @@ class FusedLayer:
     """One decoder layer of a ``FUSED_WINDOW`` family, run with q, k and v in one
     product and gate and up in another: the same operations on the same values as
     the layer's own forward (its norms and activation are its own modules), minus
-    three products and the modules' calls. A one-layer draft's pass takes about a
-    fifth less time, a verify of the 8-layer demo target about a tenth
+    three products and the modules' calls. On the demo pair a one-token draft pass
+    and a 5-token verify of the 8-layer target each take about a tenth less time
     (``docs/benchmarks.md``, "Fused projections").
 
     The fused weights hold the layer's own: its q/k/v and gate/up weights become
