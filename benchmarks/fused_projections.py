@@ -68,9 +68,7 @@ def pass_times(path: str, passes: int, threads: int) -> dict[str, dict[str, floa
         runner = RaggedRunner(model)
         if not runner.fused:
             raise SystemExit(f"{path}: its layers cannot run fused")
-        runner.fused = False  # calibrated as a service calibrates
-        choice, _ = packed_linear.pack_model(model, runner, 64, 0)
-        runner.fused_below = choice or runner.fused_below
+        packed_linear.pack_model(model, runner, 64, 0)  # as a service packs
 
         def way(fused: bool) -> Callable[[], None]:
             return lambda: setattr(runner, "fused", fused)

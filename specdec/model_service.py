@@ -177,17 +177,10 @@ class ModelService:
         if not cfg.packed_linear:
             return None
         rows = min(max(packed_linear.CALIBRATION_ROWS), cfg.max_batch_tokens, self.max_context)
-        # Calibrated on the layers' own calls (the fused ones would not call the packed
-        # layers); then fused passes stop where packed ones start.
-        fused, self.runner.fused = self.runner.fused, False
-        try:
-            choice, timings = packed_linear.pack_model(
-                self.model, self.runner, rows, cfg.packed_linear_min_rows
-            )
-        finally:
-            self.runner.fused = fused
-        if choice:
-            self.runner.fused_below = choice
+        # (fused passes, if any, stop where packed ones start: pack_model)
+        choice, timings = packed_linear.pack_model(
+            self.model, self.runner, rows, cfg.packed_linear_min_rows
+        )
         if choice is None and not timings:  # not on this device or dtype, or it failed
             return None
         log.info(

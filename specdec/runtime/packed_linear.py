@@ -181,24 +181,35 @@ def pack_model(
     forwards (one is made without its self-test when not given); where packing never
     pays, the plain layers go back. Returns the choice and the timings. A model off
     the CPU, in another dtype, or whose layers oneDNN cannot pack or run (logged) keeps
-    its plain layers: never a failure."""
+    its plain layers: never a failure.
+
+    A runner whose passes run the layers fused (``RaggedRunner.fused``) is timed with
+    fusing off (a fused pass calls no packed layer), and its fused passes then stop
+    where the packed ones start (``fused_below``)."""
     if not available(next(model.parameters()).device, next(model.parameters()).dtype):
         return None, {}
     try:
         install(model)
         if min_rows:
             set_min_rows(model, min_rows)
-            return min_rows, {}
-        runner = runner or RaggedRunner(model, self_test=False)
-        choice, timings = calibrate(
-            model,
-            lambda tokens: runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0],
-            max_rows,
-            runner.vocab_size,
-        )
+            choice, timings = min_rows, {}
+        else:
+            runner = runner or RaggedRunner(model, self_test=False)
+            fused, runner.fused = runner.fused, False
+            try:
+                choice, timings = calibrate(
+                    model,
+                    lambda tokens: runner.forward([Feed(SessionKV(), tokens, len(tokens))])[0],
+                    max_rows,
+                    runner.vocab_size,
+                )
+            finally:
+                runner.fused = fused
     except RuntimeError as e:
         log.warning("packed linear: oneDNN cannot serve this model (%s); packing stays off", e)
         choice, timings = None, {}
     if choice is None:
         uninstall(model)
+    elif runner is not None:
+        runner.fused_below = choice
     return choice, timings
