@@ -27,13 +27,14 @@ from specdec.runtime.ragged import (
     Feed,
     RaggedBatch,
     RaggedRunner,
+    RopeTable,
     SessionKV,
 )
 from target_service.verifier import Verifier
 
 from .inprocess import in_process
 from .stack import write_config
-from .tiny import FAMILIES, WINDOW, build_family, build_family_pair
+from .tiny import FAMILIES, WINDOW, build_family, build_family_pair, family_config
 
 PROMPT = "the families, all."  # 18 tokens; with the output, many windows long
 NEW_TOKENS = 24
@@ -343,3 +344,80 @@ def test_services_follow_the_fused_projections_setting(family_pair, fused):
     _, target = family_pair("llama")
     svc = Verifier(ModelServiceConfig(model=str(target), fused_projections=fused))
     assert svc.runner.fused == fused
+
+
+def _passes(runner: RaggedRunner, n: int = 70) -> torch.Tensor:
+    """Two sessions past the first rope table (``RopeTable.FIRST`` set to 16): one long,
+    rolled back and extended beside a second one's prefill (a gather of the table's
+    rows), then one-session passes (a slice of it); their logits."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, runner.vocab_size, (n,), generator=g).tolist()
+    a, b = SessionKV(), SessionKV()
+    first = runner.forward([Feed(a, tokens[:10], 2)])[0]
+    grown = runner.forward([Feed(a, tokens[10:40], 3)])[0]  # past the first table
+    a.truncate(36)
+    both = runner.forward([Feed(a, tokens[36:], 5), Feed(b, tokens[:20], 2)])
+    (step,) = runner.forward([Feed(a, tokens[:1], 1)])
+    (verify,) = runner.forward([Feed(b, tokens[20:25], 5)])
+    return torch.cat([first, grown, *both, step, verify])
+
+
+@pytest.mark.parametrize("kind", sorted(LEAN_FAMILIES & set(FAMILIES)))
+def test_lean_passes_take_the_rotary_embedding_from_a_checked_table(family_pair, kind, monkeypatch):
+    """Lean passes look cos and sin up in a table the rotary module made (a slice for one
+    session, a gather for several), grown as sessions outrun it; bit for bit the
+    same logits as calling the module on every pass, fused or not."""
+    monkeypatch.setattr(RopeTable, "FIRST", 16)
+    _, target = family_pair(kind)
+    runner = RaggedRunner(load_model(str(target)))
+    assert runner.lean and runner._rope is not None  # (grown past 16 by the self-test)
+    for fused in (True, False) if runner.fused else (False,):
+        runner.fused, runner._rope = fused, RopeTable.of(runner.model)
+        table = _passes(runner)
+        assert runner._rope is not None and runner._rope.length >= 70 - 5  # it grew
+        runner._rope = None  # the module on every pass
+        assert torch.equal(table, _passes(runner)), (kind, fused)
+
+
+def test_a_table_made_at_the_wrong_positions_is_not_used(family_pair, monkeypatch, caplog):
+    """The planted bug: the table built one position off. Its check against the module
+    finds it, and passes call the module (still lean, still fused)."""
+    _, target = family_pair("llama")
+    init = RopeTable.__init__
+
+    def shifted(self, rotary, like, length):
+        init(self, rotary, like, length + 1)
+        self.cos, self.sin, self.length = self.cos[:, 1:], self.sin[:, 1:], length
+
+    monkeypatch.setattr(RopeTable, "__init__", shifted)
+    with caplog.at_level("INFO"):
+        runner = RaggedRunner(load_model(str(target)))
+    assert runner._rope is None and runner.lean and runner.fused
+    assert "rotary table off" in caplog.text
+
+
+def test_a_lookup_one_position_off_is_caught_at_start_up(family_pair, monkeypatch):
+    """The planted bug: a right table read one row off. The start-up check (lean passes
+    bit for bit against the wrapped forward) turns the direct calls off."""
+    _, target = family_pair("llama")
+    lookup = RopeTable.lookup
+
+    def off(self, pos, span):
+        return lookup(self, pos + 1, None if span is None else (span[0] + 1, span[1] + 1))
+
+    monkeypatch.setattr(RopeTable, "lookup", off)
+    runner = RaggedRunner(load_model(str(target)))
+    assert not runner.lean
+
+
+def test_a_rotary_embedding_that_rescales_with_length_gets_no_table():
+    """transformers' dynamic kinds (and longrope) change their frequencies with the
+    sequence's length: no table; lean passes call the module."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config("llama", 1, 32, None)
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert RopeTable.of(model) is None
+    runner = RaggedRunner(model)
+    assert runner.lean and runner._rope is None

@@ -27,9 +27,12 @@ only where the start-up check finds its logits equal, bit for bit, to those of
 the wrapped forward.
 
 Of those, Llama, Mistral, Qwen2 and Qwen3 layers may also run fused (``FusedLayer``,
-``fused``): q, k and v in one product, gate and up in another, everything else
-as the layer does it. The layer's weights become views into the fused ones, so
-nothing is held twice; the same start-up check, bit for bit, keeps it or not.
+``fused``): q, k and v in one product, gate and up in another, q and k rotated as
+one tensor, everything else as the layer does it. The layer's weights become
+views into the fused ones, so nothing is held twice; the same start-up check,
+bit for bit, keeps it or not. Lean passes take the rotary embedding's cos and
+sin from a table the model's rotary module made (``RopeTable``), checked bit for
+bit against the module's own calls.
 
 Which models it serves is decided at start-up, not mid-request: the runner
 checks a packed forward (two sessions, a rollback, a decode step) against the
@@ -234,7 +237,8 @@ class RaggedBatch:
     ) -> torch.Tensor:
         """query: [1, heads, N, head_dim] -> [1, N, heads, head_dim]."""
         heads, n_total, dim = query.shape[1], query.shape[2], query.shape[3]
-        out = query.new_empty(1, n_total, heads, dim)
+        one = len(self.segments) == 1  # (its output is the whole output)
+        out = None if one else query.new_empty(1, n_total, heads, dim)
         for i, s in enumerate(self.segments):
             total = s.past + s.new
             # The first key any of this segment's queries may see.
@@ -249,6 +253,8 @@ class RaggedBatch:
                 )
             else:
                 o = _softcapped_attention(q, k, v, mask, scaling, softcap)
+            if one:
+                return o.transpose(1, 2).contiguous()
             out[0, s.start : s.start + s.new] = o[0].transpose(0, 1)
         return out
 
@@ -350,6 +356,8 @@ class RaggedRunner:
         # (a model service sets it where oneDNN's packed layers take over).
         self._fused_layers = fuse_layers(model) if self.lean and fused else None
         self.fused = self._fused_layers is not None
+        # cos and sin by position for lean passes (None: the rotary module each pass)
+        self._rope = RopeTable.of(model) if self.lean else None
         self.fused_below = FUSED_ANY
         self.model_type = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
         # The ragged attention is switched on for our forwards only: the same model
@@ -508,7 +516,12 @@ class RaggedRunner:
             )
         try:
             if self.lean:
-                logits = self._lean_forward(ids, pos, RaggedBatch(segments), kept, heads, captured)
+                # (one feed: its positions are one run, a slice of the rope table)
+                span = (positions[0], positions[-1] + 1) if len(feeds) == 1 and tokens else None
+                end = max(s.past + s.new for s in segments)  # (positions below it)
+                logits = self._lean_forward(
+                    ids, pos, RaggedBatch(segments), kept, heads, captured, span, end
+                )
             else:
                 logits = self.model(
                     input_ids=ids,
@@ -548,16 +561,25 @@ class RaggedRunner:
         kept: torch.Tensor,
         heads: list[int] | None = None,
         captured: list[torch.Tensor] | None = None,
+        span: tuple[int, int] | None = None,
+        end: int = 0,
     ) -> torch.Tensor:
         """The model forward of ``LEAN_FAMILIES`` without its wrapper: the same
         modules, called in the same order on the same values. ids, pos: [1, N];
         returns logits [1, kept, vocab], or [1, len(heads), vocab] for the rows of
         ``kept`` in ``heads``. The output layer's input [1, kept, d] is appended to
-        ``captured``. The modules are looked up on every pass: ``packed_linear``
-        replaces some after start-up."""
+        ``captured``. ``span``: (first, end) where ``pos`` is that one run; ``end``:
+        above every position. The modules are looked up on every pass:
+        ``packed_linear`` replaces some after start-up."""
         model, base = self.model, self.model.model
         hidden = base.embed_tokens(ids)  # [1, N, hidden]
-        position_embeddings = base.rotary_emb(hidden, position_ids=pos)
+        rope = self._rope
+        if rope is not None and rope.length < end:
+            rope = self._rope = rope.grown(end)  # (None: it disagreed with the module)
+        if rope is not None:
+            position_embeddings = rope.lookup(pos, span)
+        else:
+            position_embeddings = base.rotary_emb(hidden, position_ids=pos)
         if self.fused and ids.shape[1] < self.fused_below:
             for fused in self._fused_layers:
                 hidden = fused(hidden, position_embeddings, cache)
@@ -593,13 +615,89 @@ def _lean_family(model) -> bool:
     return all(hasattr(base, name) for name in needed) and hasattr(model, "lm_head")
 
 
+class RopeTable:
+    """The rotary embedding's cos and sin for positions 0..length-1, made by the
+    model's own rotary module in one call, so that a lean pass takes its rows (a
+    slice, or a gather for several sessions) instead of running the module's dozen
+    operations: about 25 microseconds a pass on the demo pair's CPU, a twentieth of
+    a draft pass.
+
+    Only for rotary modules whose frequencies never change (not transformers'
+    "dynamic" or "longrope" kinds, which rescale with the sequence), and only where
+    the module gives every row the same values called on that position alone: each
+    table (the first and every regrowth) is checked, bit for bit, against one-
+    position and several-position calls of the module at spread positions; a
+    table that disagrees is dropped for good, and passes call the module as before."""
+
+    FIRST = 256  # positions in the first table; each regrowth at least doubles it
+    CHECKS = 32  # one-position calls checked per table
+
+    def __init__(self, rotary: Any, like: torch.Tensor, length: int) -> None:
+        self.rotary, self.like = rotary, like  # (the module reads like's dtype and device)
+        pos = torch.arange(length, device=like.device)[None]  # [1, length]
+        self.cos, self.sin = rotary(like, position_ids=pos)  # each [1, length, head_dim]
+        self.length = length
+
+    @classmethod
+    def of(cls, model: Any) -> RopeTable | None:
+        """The table of a lean family's model, or None where its module must run."""
+        rotary = model.model.rotary_emb
+        kind = getattr(rotary, "rope_type", None)
+        if not isinstance(kind, str) or "dynamic" in kind or kind == "longrope":
+            return None
+        like = next(model.parameters()).new_zeros(1, 1, 1)
+        return cls._checked(rotary, like, cls.FIRST)
+
+    @classmethod
+    def _checked(cls, rotary: Any, like: torch.Tensor, length: int) -> RopeTable | None:
+        try:
+            with torch.inference_mode():
+                table = cls(rotary, like, length)
+                if table.agrees():
+                    return table
+            why = "its rows differ from the module's own"
+        except Exception as e:  # (a module that takes no such call: run it each pass)
+            why = f"{type(e).__name__}: {e}"
+        log.info("rotary table off, the module runs each pass (%s)", why)
+        return None
+
+    def agrees(self) -> bool:
+        """Whether the module, called on a few positions alone and on a run of seven,
+        gives exactly this table's rows."""
+        n = self.length
+        at = sorted({0, n - 1, *range(0, n, max(1, n // self.CHECKS))})
+        runs = [[p] for p in at] + [list(range(max(0, n - 7), n)), list(range(3, min(n, 10)))]
+        for run in runs:
+            pos = torch.tensor([run], device=self.like.device)
+            cos, sin = self.rotary(self.like, position_ids=pos)
+            if not (torch.equal(cos, self.cos[:, run]) and torch.equal(sin, self.sin[:, run])):
+                return False
+        return True
+
+    def grown(self, end: int) -> RopeTable | None:
+        """A table holding positions below ``end`` (None where the new one disagrees)."""
+        return self._checked(self.rotary, self.like, max(end, 2 * self.length))
+
+    def lookup(
+        self, pos: torch.Tensor, span: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [1, N, head_dim], for positions ``pos`` [1, N] (``span``:
+        where they are the run first..end-1, a view of the table)."""
+        if span is not None:
+            first, end = span
+            return self.cos[:, first:end], self.sin[:, first:end]
+        return self.cos[:, pos[0]], self.sin[:, pos[0]]
+
+
 class FusedLayer:
     """One decoder layer of a ``FUSED_WINDOW`` family, run with q, k and v in one
     product and gate and up in another: the same operations on the same values as
     the layer's own forward (its norms and activation are its own modules), minus
     three products and the modules' calls. On the demo pair a one-token draft pass
     and a 5-token verify of the 8-layer target each take about a tenth less time
-    (``docs/benchmarks.md``, "Fused projections").
+    (``docs/benchmarks.md``, "Fused projections"). Where the family has no per-head
+    q/k norms, q and k are rotated as one tensor (the same products and sums, element
+    by element, in half the operator calls).
 
     The fused weights hold the layer's own: its q/k/v and gate/up weights become
     views into them (``fuse_layers``), so that the model keeps working as before
@@ -615,7 +713,8 @@ class FusedLayer:
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.sizes = [m.out_features for m in projections]
+        # (heads of q, and of k and v: the fused product's columns, head by head)
+        self.heads, self.kv_heads = (m.out_features // self.head_dim for m in projections[:2])
         self.qkv, self.qkv_bias = _fuse(projections)
         self.o_proj, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         self.gate_up, self.gate_up_bias = _fuse((mlp.gate_proj, mlp.up_proj))
@@ -629,23 +728,34 @@ class FusedLayer:
         cache: RaggedBatch,
     ) -> torch.Tensor:
         """hidden: [1, N, d] -> [1, N, d], and the layer's keys and values in ``cache``."""
-        n = hidden.shape[1]
-        x = self.input_norm(hidden)
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.sizes, dim=-1)
-        q = q.view(1, n, -1, self.head_dim)  # [1, N, heads, head_dim]
-        k = k.view(1, n, -1, self.head_dim)  # [1, N, kv_heads, head_dim]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads or kv_heads, N, head_dim]
-        v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
+        n, h, kv = hidden.shape[1], self.heads, self.kv_heads
+        # (the norms' own forward: fuse_layers saw no hooks on them)
+        x = self.input_norm.forward(hidden)
+        qkv = F.linear(x, self.qkv, self.qkv_bias).view(1, n, -1, self.head_dim)
+        # [1, N, heads + 2 kv_heads, head_dim]: q's heads, k's, v's
         cos, sin = position_embeddings
-        q, k = self.rotary(q, k, cos, sin)
+        if self.q_norm is None:
+            # q and k rotated as one tensor: element by element the same products and sums
+            qk = _rotated(qkv[:, :, : h + kv].transpose(1, 2), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]  # [1, heads or kv_heads, N, head_dim]
+        else:
+            q, k = self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h : h + kv])
+            q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = qkv[:, :, h + kv :].transpose(1, 2)  # [1, kv_heads, N, head_dim]
         cache.update(k, v, self.layer_idx)
         o = cache.attend(self.layer_idx, q, self.scaling, self.window, None)  # [1, N, heads, hd]
-        hidden = hidden + F.linear(o.reshape(1, n, -1).contiguous(), self.o_proj, self.o_bias)
-        x = self.post_norm(hidden)
+        hidden = hidden + F.linear(o.reshape(1, n, -1), self.o_proj, self.o_bias)
+        x = self.post_norm.forward(hidden)
         gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.inter, dim=-1)
         return hidden + F.linear(self.act(gate) * up, self.down, self.down_bias)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of x [1, heads, N, head_dim] by cos, sin [1, N, head_dim],
+    as the fused families' apply_rotary_pos_emb computes it: x cos + rotate_half(x) sin."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
 def _fuse(linears: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
