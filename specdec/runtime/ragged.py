@@ -518,7 +518,7 @@ class RaggedRunner:
             if self.lean:
                 # (one feed: its positions are one run, a slice of the rope table)
                 span = (positions[0], positions[-1] + 1) if len(feeds) == 1 and tokens else None
-                end = max(s.past + s.new for s in segments)  # (positions below it)
+                end = max((s.past + s.new for s in segments), default=0)  # (positions below)
                 logits = self._lean_forward(
                     ids, pos, RaggedBatch(segments), kept, heads, captured, span, end
                 )
@@ -645,7 +645,8 @@ class RopeTable:
         kind = getattr(rotary, "rope_type", None)
         if not isinstance(kind, str) or "dynamic" in kind or kind == "longrope":
             return None
-        like = next(model.parameters()).new_zeros(1, 1, 1)
+        # (a pass's hidden states have the embedding's dtype, what the module casts to)
+        like = model.model.embed_tokens.weight.new_zeros(1, 1, 1)
         return cls._checked(rotary, like, cls.FIRST)
 
     @classmethod
