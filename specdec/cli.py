@@ -106,6 +106,11 @@ async def _serve(role: str, config_path: str | None, overrides: list[str]) -> No
         from specdec.runtime.memory import keep_freed
 
         keep_freed((cfg.target if local else section).keep_freed_mb)  # before a model loads
+    if role == "target":
+        from specdec.runtime.openmp import long_spins
+
+        t = cfg.target
+        long_spins(t.plain_torch_threads, t.torch_threads, t.device)  # (before torch loads)
     if role == "draft":
         from draft_service.servicer import serve
 

@@ -710,3 +710,92 @@ def test_a_pass_of_plain_decoding_steps_alone_takes_the_plain_thread_count(llama
         "two sessions' in one pass": [1, 1],
         "pinned": [1, 1],
     }, got
+
+
+@pytest.mark.parametrize(
+    "plain,threads,device,env,torch_first,expected",
+    [
+        (2, 1, "cpu", {}, False, "3000000"),  # set before torch loads
+        (2, 0, "cpu:0", {}, False, "3000000"),
+        (1, 1, "cpu", {}, False, None),  # no pass takes more threads
+        (2, 2, "cpu", {}, False, None),
+        (2, 1, "cuda", {}, False, None),  # the passes run on the GPU
+        (2, 1, "cpu", {"OMP_WAIT_POLICY": "passive"}, False, None),  # the user's choice
+        (2, 1, "cpu", {"GOMP_SPINCOUNT": "5"}, False, "5"),
+        (2, 1, "cpu", {}, True, None),  # too late: libgomp read its settings as it loaded
+    ],
+)
+def test_openmp_idle_workers_spin_through_the_drafts_turn_in_a_target_with_plain_threads(
+    plain, threads, device, env, torch_first, expected
+):
+    """``specdec serve target`` with ``plain_torch_threads`` above ``torch_threads``
+    sets GOMP_SPINCOUNT before torch loads (``specdec.runtime.openmp``): with libgomp's
+    default the worker slept between a lone request's wide verifies, and each verify
+    waited for it to wake."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        ("import torch\n" if torch_first else "")
+        + "import json, os\nfrom specdec.runtime.openmp import long_spins\n"
+        + f"long_spins({plain}, {threads}, {device!r})\n"
+        + "print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == expected, out
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_only_the_target_service_sets_openmp_spins_and_before_torch_loads(
+    tmp_path, llama_pair, role
+):
+    """``specdec serve target`` calls ``long_spins`` before anything it imports loads
+    torch (a module that did would leave the setting without effect), with the
+    target's settings; the draft never calls it. The serve path runs in a fresh
+    interpreter up to the model service's start, which records what happened and
+    ends the process."""
+    import subprocess
+    import sys
+
+    from specdec.local.stack import write_config
+
+    path, _ = write_config(tmp_path, *llama_pair, target__plain_torch_threads=2)
+    code = (
+        "import asyncio, os, sys\n"
+        "import specdec.runtime.openmp as openmp\n"
+        "def record(*args):\n"
+        "    print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', args)\n"
+        "    sys.stdout.flush()\n"
+        "    os._exit(0)\n"
+        "openmp.long_spins = record\n"
+        + (
+            ""  # (the target's servicer is not imported first: it loads torch)
+            if role == "target"
+            else "def started(*args):\n"
+            "    print('no spins set before the model service starts')\n"
+            "    sys.stdout.flush()\n"
+            "    os._exit(0)\n"
+            "import draft_service.servicer as servicer\n"
+            "servicer.serve = started\n"
+        )
+        + "from specdec import cli\n"
+        f"asyncio.run(cli._serve({role!r}, {str(path)!r}, []))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    want = (
+        "torch not loaded (2, 1, 'cpu')"
+        if role == "target"
+        else "no spins set before the model service starts"
+    )
+    assert out.stdout.startswith(want), (out.stdout, out.stderr)
