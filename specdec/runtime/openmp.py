@@ -10,8 +10,8 @@ spin ``GOMP_SPINCOUNT`` times before it sleeps: by default 300,000, which on the
 project's VM is about half a millisecond of CPU after a pass (the probe in
 ``benchmarks.openmp_spins``), shorter than the draft's turn. The worker then
 sleeps between verifies, and the next verify waits for it to wake: through the
-three services a fifth of the 2-thread verifies took twice their median time,
-against none in one process, where the draft's passes keep the worker spinning.
+three services a fifth of the 2-thread verifies took twice their median time
+(in one process 1 of 414; why there so few was not measured).
 
 ``long_spins`` sets ``GOMP_SPINCOUNT`` to ``SPINS`` (about 40 ms of spinning on
 that VM, far longer than a step's draft turn) in such a target's process before
