@@ -24,7 +24,9 @@ median of its per-round ratios: plain / ``generate()`` in the same round;
 "best" / "best" as ``benchmarks.report.held_out_best`` takes it (each round's
 pick is the configuration fastest over the other rounds, so the winner's
 curse does not flatter either side); overlapped / sequential at the same
-gamma, at overlapped's held-out pick. ``--one-process`` adds to the shared part
+gamma, at overlapped's held-out pick. Issue 15's orchestration overhead (a
+step's wall time minus its forward passes, from the responses' stats) is taken
+round by round from the shared part's sequential gamma 4. ``--one-process`` adds to the shared part
 an orchestrator with both models in its process (``orchestrator.local_models``,
 the target's torch threads on both cores), started beside the stack and idle
 while the other configurations run: its plain, sequential and adaptive requests
@@ -52,7 +54,7 @@ from .common import (
     machine_info,
     start_services,
 )
-from .plain_runs import MAX_NEW, interleaved, ratios, side_by_side_header
+from .plain_runs import MAX_NEW, WARM_UP, interleaved, ratios, side_by_side_header
 from .report import held_out_best, held_out_picks
 from .run import (
     TARGET_CORE,
@@ -100,21 +102,51 @@ class Choices:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
 
 
-def services_rate(client: Client, fields: dict, r: int, c: Choices) -> float:
-    """tok/s of the prompts through the services (tokens over the calls' seconds)."""
+def services_rate(
+    client: Client, fields: dict, r: int, c: Choices, steps: list[float] | None = None
+) -> float:
+    """tok/s of the prompts through the services (tokens over the calls' seconds).
+    ``steps``: where to append the round's orchestration overhead (``overhead_ms``);
+    not the warm-up's (round 99, ``plain_runs.interleaved``)."""
     total = _run_prompts(client, c.prompts, c.max_new_tokens, fields, r)
+    if steps is not None and r != WARM_UP:
+        steps.append(overhead_ms(total))
     return total["tokens"] / total["wall_s"]
 
 
+def overhead_ms(total: dict) -> float:
+    """Issue 15's orchestration overhead: a step's wall time minus its draft and
+    target forward time, ms per step, from the responses' stats summed over a round."""
+    fwd = total["draft_forward_s"] + total["target_forward_s"]
+    return (total["steps_s"] - fwd) / max(total["steps"], 1) * 1e3
+
+
+def overhead_gamma(gammas: list[int]) -> int:
+    """The gamma issue 15's overhead is taken at: 4, or the largest measured below it
+    (the quick runs measure fewer)."""
+    return 4 if 4 in gammas else max(gammas)
+
+
 def configs_for(
-    part: str, hf: Transformers, client: Client, c: Choices, one: Client | None = None
+    part: str,
+    hf: Transformers,
+    client: Client,
+    c: Choices,
+    one: Client | None = None,
+    overheads: dict[str, list[float]] | None = None,
 ) -> dict:
     """The part's configurations: name -> (round -> tok/s). ``one``: an orchestrator
     with both models in its process (``orchestrator.local_models``), whose plain,
-    sequential and adaptive requests join the shared part as ``one_*``."""
+    sequential and adaptive requests join the shared part as ``one_*``.
+    ``overheads``: filled, for the shared part's sequential configurations at
+    ``overhead_gamma``, with their overhead round by round (``overhead_ms``)."""
+    g_over = overhead_gamma(c.gammas)
 
-    def svc_rate(f: dict, to: Client = client):
-        return lambda r: services_rate(to, f, r, c)
+    def svc_rate(f: dict, to: Client = client, name: str | None = None):
+        steps = None
+        if overheads is not None and name is not None:
+            steps = overheads.setdefault(name, [])
+        return lambda r: services_rate(to, f, r, c, steps)
 
     # transformers: both cores with 2 threads, or the target's core with 1
     cores, threads = (None, 2) if part == "shared" else ({TARGET_CORE}, 1)
@@ -130,14 +162,18 @@ def configs_for(
             out["plain" + at] = svc_rate(svc | {"gamma": 0})
             out["adaptive" + at] = svc_rate(svc | {"gamma": None, "seed": None})
         for g in c.gammas:
-            out[f"seq{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": False})
+            name = f"seq{g}{at}"
+            watch = name if part == "shared" and g == g_over else None
+            out[name] = svc_rate(svc | {"gamma": g, "overlap": False}, name=watch)
             if part == "pinned":
                 out[f"ovl{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": True})
         if part == "shared" and one is not None:
             out["one_plain" + at] = svc_rate(svc | {"gamma": 0}, one)
             out["one_adaptive" + at] = svc_rate(svc | {"gamma": None, "seed": None}, one)
             for g in c.gammas:
-                out[f"one_seq{g}{at}"] = svc_rate(svc | {"gamma": g, "overlap": False}, one)
+                name = f"one_seq{g}{at}"
+                watch = name if g == g_over else None
+                out[name] = svc_rate(svc | {"gamma": g, "overlap": False}, one, watch)
     return out
 
 
@@ -152,9 +188,17 @@ def held_out_series(fam: dict[str, list[float]]) -> tuple[list[float], list[str]
     return [fam[p][i] for i, p in enumerate(picks)], picks
 
 
-def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dict]:
-    """The part's criteria: name, goal, the median of the per-round ratios, the ratios."""
+def criteria(
+    rates: dict[str, list[float]],
+    part: str,
+    temperatures,
+    overheads: dict[str, list[float]] | None = None,
+) -> list[dict]:
+    """The part's criteria: name, goal, the median of the per-round ratios, the ratios.
+    ``overheads``: the shared part's overhead in ms a step by round (``configs_for``),
+    for issue 15's goal of at most 1 ms (lower is better)."""
     rows = []
+    overheads = overheads or {}
     for t in temperatures:
         at = f"@{t:g}"
         label = "greedy" if t == 0 else f"T={t:g}"
@@ -165,6 +209,12 @@ def criteria(rates: dict[str, list[float]], part: str, temperatures) -> list[dic
                 one = _speed_rows(rows, rates, at, label, assisted, "one_", ONE_PROCESS_ROWS)
                 rows.append(_row(f"one process / three services, best gamma each, {label}",
                                  None, ratios(one, seq)))  # fmt: skip
+            for prefix, who in (("", "15"), ("one_", "15, one process")):
+                for name, ms in overheads.items():
+                    if name.startswith(prefix + "seq") and name.endswith(at) and ms:
+                        g = name[len(prefix) + 3 : -len(at)]
+                        rows.append(_row(f"{who}: overhead at gamma {g}, ms a step, {label}",
+                                         1.0, ms, higher=False))  # fmt: skip
         else:
             ovl_fam = family(rates, "ovl", at)
             ovl, picks = held_out_series(ovl_fam)
@@ -206,14 +256,23 @@ def _speed_rows(
     return seq
 
 
-def _row(name: str, goal: float | None, ratios: list[float], picks=None) -> dict:
+def _row(
+    name: str, goal: float | None, ratios: list[float], picks=None, higher: bool = True
+) -> dict:
+    """A criterion: the median of its per-round values (ratios, or ms where
+    ``higher`` is False: the goal is then an upper bound)."""
     return {
         "criterion": name,
         "goal": goal,
+        "higher_is_better": higher,
         "ratio": statistics.median(ratios),
         "ratios": [round(x, 3) for x in ratios],
         "picks": picks,
     }
+
+
+def _meets(c: dict, x: float) -> bool:
+    return x >= c["goal"] if c.get("higher_is_better", True) else x <= c["goal"]
 
 
 def report(result: dict) -> str:
@@ -225,13 +284,14 @@ def report(result: dict) -> str:
         "64 tokens; medians.",
     )
     lines += [
-        "| criterion | goal | median of per-round ratios | rounds | met in rounds |",
+        "| criterion | goal | median of per-round values | rounds | met in rounds |",
         "|---|---|---|---|---|",
     ]
     for part in result["parts"].values():
         for c in part["criteria"]:
-            goal = "" if c["goal"] is None else f"≥ {c['goal']:g}"
-            met = "" if c["goal"] is None else sum(x >= c["goal"] for x in c["ratios"])
+            sign = "≥" if c.get("higher_is_better", True) else "≤"
+            goal = "" if c["goal"] is None else f"{sign} {c['goal']:g}"
+            met = "" if c["goal"] is None else sum(_meets(c, x) for x in c["ratios"])
             met = "" if met == "" else f"{met} of {len(c['ratios'])}"
             lines.append(
                 f"| {c['criterion']} | {goal} | **{c['ratio']:.3f}** | "
@@ -275,8 +335,13 @@ def run_parts(
     try:
         for part in parts:
             (pin_stack if part == "pinned" else unpin_stack)(stack)
-            rates = interleaved(configs_for(part, hf, client, c, one), c.rounds)
-            out[part] = {"rates": rates, "criteria": criteria(rates, part, c.temperatures)}
+            overheads: dict[str, list[float]] = {}
+            rates = interleaved(configs_for(part, hf, client, c, one, overheads), c.rounds)
+            out[part] = {
+                "rates": rates,
+                "overhead_ms": overheads,
+                "criteria": criteria(rates, part, c.temperatures, overheads),
+            }
             print(f"{part} done", flush=True)
             if part == "shared" and one is not None:  # (not idle beside the pinned part)
                 one.close()

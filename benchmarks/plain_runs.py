@@ -60,11 +60,15 @@ def _generate(model, tok, temperature: float, r: int) -> float:
     return tokens / secs
 
 
+WARM_UP = 99  # the round number ``interleaved``'s warm-up calls are given
+
+
 def interleaved(configs: dict, repeats: int) -> dict[str, list[float]]:
-    """Every configuration (a function of the round, giving tok/s) once to warm up,
-    then ``repeats`` rounds of all of them, the order rotating each round."""
+    """Every configuration (a function of the round, giving tok/s) once to warm up
+    (round ``WARM_UP``), then ``repeats`` rounds of all of them, the order rotating
+    each round."""
     for fn in configs.values():
-        fn(99)
+        fn(WARM_UP)
     names = list(configs)
     rates: dict[str, list[float]] = {k: [] for k in names}
     for r, name in rotated_rounds(names, repeats):

@@ -380,7 +380,8 @@ def criteria(r: dict) -> list[dict]:
         for c in part["criteria"]:
             if c["goal"] is not None:
                 name = f"{c['criterion']} (head to head)"
-                out.append(_check(name, c["ratio"], c["goal"], rounds=c["ratios"]))
+                higher = c.get("higher_is_better", True)
+                out.append(_check(name, c["ratio"], c["goal"], higher, rounds=c["ratios"]))
     return out
 
 

@@ -134,7 +134,12 @@ def test_head_to_head_compares_within_each_round():
     """benchmarks.head_to_head: plain / generate() round by round; each side's best is
     the configuration fastest over the other rounds; overlapped / sequential at the
     gamma overlapped picked."""
-    from benchmarks.head_to_head import criteria, held_out_series
+    from benchmarks.head_to_head import (
+        criteria,
+        held_out_series,
+        overhead_gamma,
+        overhead_ms,
+    )
 
     # seq3 is fastest in round 2 only: the other rounds pick seq4 there too
     fam = {"seq3@1": [100.0, 100.0, 130.0], "seq4@1": [120.0, 120.0, 115.0]}
@@ -160,6 +165,17 @@ def test_head_to_head_compares_within_each_round():
         "seq3@1": [90.0, 90.0, 90.0],
         "ovl3@1": [110.0, 110.0, 110.0],
     }
+    # issue 15's overhead: ms a step by round, at most 1.0 (lower is better)
+    overheads = {"seq4@1": [2.0, 1.5, 3.0], "one_seq4@1": [0.9, 1.1, 0.8]}
+    rows = {r["criterion"]: r for r in criteria(shared, "shared", [1.0], overheads)}
+    services = rows["15: overhead at gamma 4, ms a step, T=1"]
+    assert services["ratio"] == 2.0 and services["goal"] == 1.0
+    assert not services["higher_is_better"]
+    assert rows["15, one process: overhead at gamma 4, ms a step, T=1"]["ratio"] == 0.9
+    assert overhead_ms(
+        {"steps": 10, "steps_s": 0.2, "draft_forward_s": 0.05, "target_forward_s": 0.14}
+    ) == pytest.approx(1.0)
+    assert overhead_gamma([2, 3, 4, 5]) == 4 and overhead_gamma([3]) == 3
     rows = {r["criterion"]: r for r in criteria(pinned, "pinned", [1.0])}
     same = rows["10: overlapped / sequential at the same gamma, T=1"]
     assert same["picks"] == ["ovl2@1"] * 3  # against seq2, not the slower seq3
