@@ -121,6 +121,12 @@ class ModelServiceConfig:
     # finds every logit equal to the wrapped forward's; passes that oneDNN's packed
     # layers take (packed_linear) call the layers as before (specdec/runtime/ragged.py).
     fused_projections: bool = True
+    # Draft only, CPU, float32, Llama / Mistral / Qwen2 with fused layers: run a lone
+    # session's one-token passes in one compiled call (numba) instead of some 40 torch
+    # calls, where the start-up check finds its logits within 1e-3 of the runner's
+    # spread. A draft's values need not be bit-equal to its forward's (it sends the q
+    # it samples from); a target never runs it (specdec/runtime/decode_kernel.py).
+    decode_kernel: bool = True
     # glibc: keep up to this many MB of freed memory in the service's heap (and
     # allocations up to 32 MB on it), so that a step's large temporaries are not
     # faulted in anew every step; 0 leaves glibc's defaults (specdec/runtime/memory.py).

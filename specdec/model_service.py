@@ -82,6 +82,10 @@ class ModelService:
         self.packed_min_rows = self._pack_linears()
         self.sessions = SessionStore(self.role, cfg.max_sessions)
         kernels.warm()  # compiled, or loaded from numba's disk cache, before any request
+        # (a draft's one-token passes in one compiled call, where its check agrees)
+        self.decode_kernel = (
+            role == "draft" and cfg.decode_kernel and self.runner.use_decode_kernel()
+        )
         self._batch_sessions = metrics.BATCH_SESSIONS.labels(role)
         self._batch_tokens = metrics.BATCH_TOKENS.labels(role)
         self._queue_wait = metrics.QUEUE_WAIT.labels(role)
@@ -116,6 +120,7 @@ class ModelService:
                 "packed_linear_min_rows": str(self.packed_min_rows or 0),
                 "lean_forward": str(self.runner.lean).lower(),
                 "fused_projections": str(self.runner.fused).lower(),
+                "decode_kernel": str(self.decode_kernel).lower(),
             }
         )
         self.sessions.update_gauges()

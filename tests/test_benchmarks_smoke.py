@@ -93,8 +93,11 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     assert {"one_plain@1", "one_seq3@1", "one_adaptive@0"} <= set(h2h["shared"]["rates"])
     assert {"assisted3@0", "seq3@0", "ovl3@0"} <= set(h2h["pinned"]["rates"])
     paired = [c for c in results["criteria"] if c["criterion"].endswith("(head to head)")]
-    assert len(paired) == 12 and all(len(c["rounds"]) == 1 for c in paired)
-    assert sum(c["criterion"].startswith("15, one process") for c in paired) == 4
+    assert len(paired) == 16 and all(len(c["rounds"]) == 1 for c in paired)
+    assert sum(c["criterion"].startswith("15, one process") for c in paired) == 6
+    over = [c for c in paired if "overhead at gamma 3" in c["criterion"]]  # (quick: gamma 3)
+    assert len(over) == 4 and all(not c["higher_is_better"] for c in over)
+    assert all(0 < c["value"] < 1000 for c in over)  # ms a step, from the responses' stats
 
     md = (out / "results.md").read_text()
     assert "References, not goals" in (out / "results.md").read_text()
@@ -334,6 +337,26 @@ def test_fused_projections_side_by_side_writes_results(tmp_path, llama_pair):
         assert result["rates"]["one_client"][f"{way}:fused:seq4@1"]["tok_s"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "| one process | seq4@0 |" in md and "| 2 | adaptive |" in md
+
+
+def test_decode_kernel_side_by_side_writes_results(tmp_path, llama_pair):
+    """``benchmarks.decode_kernel`` on the tiny pair: the draft's pass times both ways,
+    the three services and one process at one client both ways (the same acceptance),
+    the services under load, and the report has them."""
+    draft, target = llama_pair
+    run_benchmark(
+        "benchmarks.decode_kernel", "--draft", str(draft), "--target", str(target),
+        "--clients", "2", "--repeats", "1", "--warm", "0.2", "--window", "0.5",
+        "--passes", "2", "--max-new-tokens", "8", "--out", str(tmp_path)
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["median"]["2 clients, seq4, kernel"] > 0
+    (times,) = result["rates"]["pass_times"].values()
+    assert times["1x1"]["kernel"] > 0 and times["1x1"]["torch"] > 0
+    for way in ("services", "one"):
+        assert result["rates"]["one_client"][f"{way}:kernel:seq4@1"]["tok_s"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| one process | seq4@0 |" in md and "alpha torch / kernel" in md
 
 
 def test_lean_forward_side_by_side_writes_results(tmp_path, llama_pair):

@@ -359,6 +359,9 @@ class RaggedRunner:
         # cos and sin by position for lean passes (None: the rotary module each pass)
         self._rope = RopeTable.of(model) if self.lean else None
         self.fused_below = FUSED_ANY
+        # A lone session's one-token passes in one compiled call (``use_decode_kernel``;
+        # a draft's only): None, every pass as below.
+        self._decode = None
         self.model_type = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
         # The ragged attention is switched on for our forwards only: the same model
         # object keeps working with generate() and its own caches elsewhere.
@@ -390,6 +393,19 @@ class RaggedRunner:
         self.vocab_size: int = config.vocab_size
         if self_test:
             self.self_test()
+
+    def use_decode_kernel(self) -> bool:
+        """Run a lone session's one-token passes in one compiled call where the model
+        allows it and its start-up check agrees (``decode_kernel.DecodeKernel``): for
+        a draft, whose values need not be bit-equal to its own forward's. Whether it
+        is on."""
+        from .decode_kernel import DecodeKernel
+
+        kernel = DecodeKernel.of(self)
+        if kernel is not None:
+            kernel.warm()
+        self._decode = kernel
+        return kernel is not None
 
     def self_test(self) -> None:
         """Refuse a model whose packed forward differs from its own forward.
@@ -484,6 +500,10 @@ class RaggedRunner:
         """
         if len({id(f.kv) for f in feeds}) != len(feeds):
             raise ValueError("a session may appear only once in a forward")
+        if self._decode is not None and len(feeds) == 1:
+            (f,) = feeds
+            if len(f.tokens) == 1 and f.logits == 1:
+                return [self._decode(f)]
         tokens: list[int] = []
         positions: list[int] = []
         keep: list[int] = []

@@ -1,0 +1,139 @@
+"""The draft's one-token passes in one compiled call (``decode_kernel``, the
+default) against the runner's torch calls, side by side.
+
+    python -m benchmarks.decode_kernel [--repeats 4] [--clients 8] [--passes 200]
+        [--out results/decode-kernel-<time>]
+
+Parts:
+- pass times: the demo draft's passes through the ragged runtime on 1 thread, one
+  runner switching between the kernel and its own torch calls pass by pass,
+  packed as a service packs it (only a lone session's one-token pass, ``1x1``,
+  takes the kernel: the other shapes show that nothing else changed);
+- one client, two ways of serving, each with the setting on and off: the three
+  services (one torch thread each) and one process (``orchestrator.local_models``,
+  as ``benchmarks.head_to_head`` runs it); plain decoding, gamma 4 greedy and at
+  T=1, adaptive at T=1; every arm's rounds interleaved (``benchmarks.run.measure``),
+  each mode's time per step split into forwards and the rest (issue 15's
+  orchestration overhead), and each arm's acceptance (the kernel's q round
+  differently from the torch calls': alpha should not move);
+- sustained rounds of ``--clients`` clients on the three services (none: skipped).
+Paired ratios. Prints a table; writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from specdec.runtime import packed_linear
+from specdec.runtime.loading import load_model
+from specdec.runtime.ragged import RaggedRunner
+
+from .common import PROMPTS, Client, machine_info, stacks_per_arm, torch_threads
+from .head_to_head import start_one_process
+from .lean_forward import (
+    SUSTAINED,
+    alternating_passes,
+    paired_cell,
+    pass_rows,
+    side_by_side_args,
+    step_cell,
+    sustained_rows,
+)
+from .plain_runs import save_side_by_side, side_by_side_header
+from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
+
+MODES = {
+    "plain@0": {"temperature": 0.0, "gamma": 0},
+    "seq4@0": {"temperature": 0.0, "gamma": 4, "overlap": False},
+    "seq4@1": {"temperature": 1.0, "gamma": 4, "overlap": False},
+    "adaptive@1": {"temperature": 1.0, "gamma": None, "seed": None},
+}
+ARMS = ("torch", "kernel")
+WAYS = ("services", "one")  # the three services; one process
+
+
+def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
+    """{shape: {torch, kernel, torch_best, kernel_best}} ms, one thread, one runner."""
+    with torch_threads(1):
+        model = load_model(path)
+        runner = RaggedRunner(model)
+        packed_linear.pack_model(model, runner, 64, 0)  # as a service packs
+        if not runner.use_decode_kernel():
+            raise SystemExit(f"{path}: its passes cannot run in the decode kernel")
+        kernel = runner._decode
+
+        def way(on: bool) -> Callable[[], None]:
+            return lambda: setattr(runner, "_decode", kernel if on else None)
+
+        return alternating_passes(runner, {arm: way(arm == "kernel") for arm in ARMS}, passes)
+
+
+def _alpha(row: dict) -> str:
+    return "-" if row.get("alpha") is None else f"{row['alpha']:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = side_by_side_args(__doc__, "decode-kernel", 4).parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info("cpu")
+    passes = {"draft, 1 thread": pass_times(args.draft, args.passes)}
+    rows = pass_rows(passes, ARMS)
+    arms = {arm: arm == "kernel" for arm in ARMS}
+    with stacks_per_arm(out, args.draft, args.target, "decode_kernel", arms) as stacks:
+        # Each arm's one-process orchestrator reads its stack's config: the same setting.
+        addresses = {("services", arm): stacks[arm].orchestrator_address for arm in ARMS}
+        addresses |= {("one", arm): start_one_process(stacks[arm]) for arm in ARMS}
+        clients = {key: Client(address) for key, address in addresses.items()}
+        via = {f"{w}:{a}:{m}": clients[w, a] for (w, a) in clients for m in MODES}
+        configs = {f"{w}:{a}:{m}": f for (w, a) in clients for m, f in MODES.items()}
+        one = measure(via, configs, PROMPTS[:8], args.max_new_tokens, args.repeats)
+        for client in clients.values():
+            client.close()
+        for stack in stacks.values():
+            stack.stop_extra()  # (the one-process orchestrators: not idle beside the load)
+        rates = sustained_side_by_side(
+            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
+            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
+            args.repeats, args.warm, args.window,
+        )  # fmt: skip
+    info["load_average_end"] = list(os.getloadavg())
+    lines = side_by_side_header(
+        "The draft's one-token passes in one compiled call against its torch calls",
+        info,
+        f"Pass times: {args.passes} passes per arm, alternating. One client: "
+        f"{args.repeats} interleaved rounds of 8 prompts x {args.max_new_tokens} tokens per "
+        f"mode and arm; the three services on one thread each, one process as head_to_head "
+        f"runs it. Sustained rounds ({args.warm:g} s not counted, {args.window:g} s "
+        f"counted), T=1, the three services, {args.repeats} per configuration.",
+    )
+    lines += ["## Pass times (median ms)", ""] + rows
+    lines += ["", "## One client (tok/s; ms per step: forwards of draft + target, the rest)", ""]
+    lines += [
+        "| serving | mode | torch | kernel | kernel / torch (paired) | torch step | "
+        "kernel step | alpha torch / kernel |",
+        "|---" * 8 + "|",
+    ]
+    for way in WAYS:
+        for m in MODES:
+            a, b = one[f"{way}:torch:{m}"], one[f"{way}:kernel:{m}"]
+            lines.append(
+                f"| {'three services' if way == 'services' else 'one process'} | {m} | "
+                f"{a['tok_s']:.1f} | {b['tok_s']:.1f} | "
+                f"{paired_cell(a['tok_s_runs'], b['tok_s_runs'])} | {step_cell(a)} | "
+                f"{step_cell(b)} | {_alpha(a)} / {_alpha(b)} |"
+            )
+    if args.clients:
+        lines += ["", "## Sustained load, three services (tok/s)", ""]
+        lines += sustained_rows(rates, args.clients, ARMS)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    results = rates | {"pass_times": passes, "one_client": one}
+    save_side_by_side(out, lines, info, results, med)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
