@@ -252,6 +252,11 @@ class FaultProxy:
         self._connections.add(conn)
         try:
             await conn.run()
+        except asyncio.CancelledError:
+            # The proxy stopping (``stop`` cancels every task). Ended here, the task does
+            # not end cancelled: asyncio's server asks a finished handler for its
+            # exception, and Python 3.11 logs a cancelled one's as an error.
+            pass
         finally:
             self._connections.discard(conn)
 
