@@ -31,19 +31,10 @@ from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import RaggedRunner
 
-from .common import PROMPTS, Client, machine_info, stacks_per_arm, torch_threads
-from .head_to_head import start_one_process
-from .lean_forward import (
-    SUSTAINED,
-    alternating_passes,
-    paired_cell,
-    pass_rows,
-    side_by_side_args,
-    step_cell,
-    sustained_rows,
-)
+from .common import machine_info, torch_threads
+from .fused_projections import both_ways_rows, measure_both_ways
+from .lean_forward import alternating_passes, pass_rows, side_by_side_args, sustained_rows
 from .plain_runs import save_side_by_side, side_by_side_header
-from .run import CONCURRENCY_MODES, measure, sustained_side_by_side
 
 MODES = {
     "plain@0": {"temperature": 0.0, "gamma": 0},
@@ -52,7 +43,6 @@ MODES = {
     "adaptive@1": {"temperature": 1.0, "gamma": None, "seed": None},
 }
 ARMS = ("torch", "kernel")
-WAYS = ("services", "one")  # the three services; one process
 
 
 def pass_times(path: str, passes: int) -> dict[str, dict[str, float]]:
@@ -83,23 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     passes = {"draft, 1 thread": pass_times(args.draft, args.passes)}
     rows = pass_rows(passes, ARMS)
     arms = {arm: arm == "kernel" for arm in ARMS}
-    with stacks_per_arm(out, args.draft, args.target, "decode_kernel", arms) as stacks:
-        # Each arm's one-process orchestrator reads its stack's config: the same setting.
-        addresses = {("services", arm): stacks[arm].orchestrator_address for arm in ARMS}
-        addresses |= {("one", arm): start_one_process(stacks[arm]) for arm in ARMS}
-        clients = {key: Client(address) for key, address in addresses.items()}
-        via = {f"{w}:{a}:{m}": clients[w, a] for (w, a) in clients for m in MODES}
-        configs = {f"{w}:{a}:{m}": f for (w, a) in clients for m, f in MODES.items()}
-        one = measure(via, configs, PROMPTS[:8], args.max_new_tokens, args.repeats)
-        for client in clients.values():
-            client.close()
-        for stack in stacks.values():
-            stack.stop_extra()  # (the one-process orchestrators: not idle beside the load)
-        rates = sustained_side_by_side(
-            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
-            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
-            args.repeats, args.warm, args.window,
-        )  # fmt: skip
+    one, rates = measure_both_ways(args, out, "decode_kernel", arms, MODES)
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
         "The draft's one-token passes in one compiled call against its torch calls",
@@ -112,20 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines += ["## Pass times (median ms)", ""] + rows
     lines += ["", "## One client (tok/s; ms per step: forwards of draft + target, the rest)", ""]
-    lines += [
-        "| serving | mode | torch | kernel | kernel / torch (paired) | torch step | "
-        "kernel step | alpha torch / kernel |",
-        "|---" * 8 + "|",
-    ]
-    for way in WAYS:
-        for m in MODES:
-            a, b = one[f"{way}:torch:{m}"], one[f"{way}:kernel:{m}"]
-            lines.append(
-                f"| {'three services' if way == 'services' else 'one process'} | {m} | "
-                f"{a['tok_s']:.1f} | {b['tok_s']:.1f} | "
-                f"{paired_cell(a['tok_s_runs'], b['tok_s_runs'])} | {step_cell(a)} | "
-                f"{step_cell(b)} | {_alpha(a)} / {_alpha(b)} |"
-            )
+    alpha = ("alpha torch / kernel", lambda a, b: f"{_alpha(a)} / {_alpha(b)}")
+    lines += both_ways_rows(one, MODES, ARMS, alpha)
     if args.clients:
         lines += ["", "## Sustained load, three services (tok/s)", ""]
         lines += sustained_rows(rates, args.clients, ARMS)

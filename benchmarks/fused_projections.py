@@ -76,6 +76,55 @@ def pass_times(path: str, passes: int, threads: int) -> dict[str, dict[str, floa
         return alternating_passes(runner, {arm: way(arm == "fused") for arm in ARMS}, passes)
 
 
+def measure_both_ways(
+    args, out: Path, key: str, arms: dict[str, object], modes: dict[str, dict]
+) -> tuple[dict, dict]:
+    """One stack per arm (``stacks_per_arm``: the model-service setting ``key`` at the
+    arm's value), each also served by one process (``start_one_process``, which reads
+    the stack's config: the same setting). One client: every mode both ways and
+    arms, rounds interleaved (``measure``), rows named "way:arm:mode"; then the three
+    services under sustained load (``args.clients``). Returns (rows, sustained rates)."""
+    names = list(arms)
+    with stacks_per_arm(out, args.draft, args.target, key, arms) as stacks:
+        addresses = {("services", arm): stacks[arm].orchestrator_address for arm in names}
+        addresses |= {("one", arm): start_one_process(stacks[arm]) for arm in names}
+        clients = {k: Client(address) for k, address in addresses.items()}
+        via = {f"{w}:{a}:{m}": clients[w, a] for (w, a) in clients for m in modes}
+        configs = {f"{w}:{a}:{m}": f for (w, a) in clients for m, f in modes.items()}
+        one = measure(via, configs, PROMPTS[:8], args.max_new_tokens, args.repeats)
+        for client in clients.values():
+            client.close()
+        for stack in stacks.values():
+            stack.stop_extra()  # (the one-process orchestrators: not idle beside the load)
+        rates = sustained_side_by_side(
+            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
+            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
+            args.repeats, args.warm, args.window,
+        )  # fmt: skip
+    return one, rates
+
+
+def both_ways_rows(
+    one: dict, modes: dict, arms: tuple[str, str], extra: tuple[str, Callable] | None = None
+) -> list[str]:
+    """The one-client table of ``measure_both_ways``'s rows: each way and mode, both
+    arms' tok/s, their paired ratio and steps; ``extra``: (header, cell of the two
+    arms' rows), a column more."""
+    a, b = arms
+    head = f"| serving | mode | {a} | {b} | {b} / {a} (paired) | {a} step | {b} step |"
+    lines = [head + (f" {extra[0]} |" if extra else ""), "|---" * (7 + bool(extra)) + "|"]
+    for way in WAYS:
+        for m in modes:
+            x, y = one[f"{way}:{a}:{m}"], one[f"{way}:{b}:{m}"]
+            lines.append(
+                f"| {'three services' if way == 'services' else 'one process'} | {m} | "
+                f"{x['tok_s']:.1f} | {y['tok_s']:.1f} | "
+                f"{paired_cell(x['tok_s_runs'], y['tok_s_runs'])} | {step_cell(x)} | "
+                f"{step_cell(y)} |" + (f" {extra[1](x, y)} |" if extra else "")
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = side_by_side_args(__doc__, "fused-projections", 4).parse_args(argv)
     out = Path(args.out)
@@ -91,23 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = pass_rows(passes, ARMS)
     arms = {arm: arm == "fused" for arm in ARMS}
-    with stacks_per_arm(out, args.draft, args.target, "fused_projections", arms) as stacks:
-        # Each arm's one-process orchestrator reads its stack's config: the same setting.
-        addresses = {("services", arm): stacks[arm].orchestrator_address for arm in ARMS}
-        addresses |= {("one", arm): start_one_process(stacks[arm]) for arm in ARMS}
-        clients = {key: Client(address) for key, address in addresses.items()}
-        via = {f"{w}:{a}:{m}": clients[w, a] for (w, a) in clients for m in MODES}
-        configs = {f"{w}:{a}:{m}": f for (w, a) in clients for m, f in MODES.items()}
-        one = measure(via, configs, PROMPTS[:8], args.max_new_tokens, args.repeats)
-        for client in clients.values():
-            client.close()
-        for stack in stacks.values():
-            stack.stop_extra()  # (the one-process orchestrators: not idle beside the load)
-        rates = sustained_side_by_side(
-            {arm: stack.orchestrator_address for arm, stack in stacks.items()}, args.clients,
-            {m: CONCURRENCY_MODES[m] for m in SUSTAINED}, PROMPTS, args.max_new_tokens,
-            args.repeats, args.warm, args.window,
-        )  # fmt: skip
+    one, rates = measure_both_ways(args, out, "fused_projections", arms, MODES)
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
         "Decoder layers run fused against their own calls",
@@ -120,20 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines += ["## Pass times (median ms)", ""] + rows
     lines += ["", "## One client (tok/s; ms per step: forwards of draft + target, the rest)", ""]
-    lines += [
-        "| serving | mode | unfused | fused | fused / unfused (paired) | unfused step | "
-        "fused step |",
-        "|---" * 7 + "|",
-    ]
-    for way in WAYS:
-        for m in MODES:
-            a, b = one[f"{way}:unfused:{m}"], one[f"{way}:fused:{m}"]
-            lines.append(
-                f"| {'three services' if way == 'services' else 'one process'} | {m} | "
-                f"{a['tok_s']:.1f} | {b['tok_s']:.1f} | "
-                f"{paired_cell(a['tok_s_runs'], b['tok_s_runs'])} | {step_cell(a)} | "
-                f"{step_cell(b)} |"
-            )
+    lines += both_ways_rows(one, MODES, ARMS)
     if args.clients:
         lines += ["", "## Sustained load, three services (tok/s)", ""]
         lines += sustained_rows(rates, args.clients, ARMS)

@@ -257,6 +257,8 @@ class DecodeKernel:
         eps |= {float(f.post_norm.variance_epsilon) for f in layers}
         if eps != {float(norm.variance_epsilon)}:
             return "norms with different eps"
+        if getattr(runner.model.lm_head, "bias", None) is not None:
+            return "an output layer with a bias"
         if getattr(runner.model.config, "final_logit_softcapping", None):
             return "soft-capped logits"
         return ""
