@@ -104,6 +104,19 @@ def test_a_feed_wanting_only_its_hidden_state_gets_it_without_the_output_layer()
     assert torch.allclose(hidden["kernel"], hidden["torch"], atol=1e-5)
 
 
+def test_a_pass_that_meets_a_nan_returns_nan_logits():
+    """A NaN in the weights comes out as NaN logits (the draft's finite check then
+    refuses them), not as numbers: the kernel's fast math keeps NaN and inf."""
+    runner = _runner(CASES["llama, grouped kv heads"]())
+    assert runner.use_decode_kernel()
+    kv = SessionKV()
+    runner.forward([Feed(kv, [1, 2, 3], 0)])
+    with torch.no_grad():  # (the kernel reads the model's own weights)
+        runner.model.model.embed_tokens.weight[7, 0] = float("nan")
+    (logits,) = runner.forward([Feed(kv, [7], 1)])
+    assert logits.shape == (1, runner.vocab_size) and torch.isnan(logits).all()
+
+
 @pytest.mark.parametrize(
     "config, dtype",
     [

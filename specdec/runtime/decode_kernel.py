@@ -43,9 +43,13 @@ log = logging.getLogger(__name__)
 # relative to their spread. The same sums in another order differ by about 1e-6 of
 # it in float32; a wrong position, scale or head is off by the order of the spread.
 TOLERANCE = 1e-3
+# LLVM's fast-math flags that let the sums be reordered (vectorized) and the
+# products fused; not "nnan" or "ninf": the attention's running maximum starts at
+# -inf, and a NaN in a pass must stay a NaN for the draft's finite check.
+FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=FAST)
 def _linear(w: np.ndarray, b: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out [o] = w [o, i] @ x [i] (+ b [o], where b is not empty)."""
     rows, cols = w.shape
@@ -59,7 +63,7 @@ def _linear(w: np.ndarray, b: np.ndarray, x: np.ndarray, out: np.ndarray) -> Non
             out[r] += b[r]
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=FAST)
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = w * x / sqrt(mean(x^2) + eps), as the families' RMSNorm (float32)."""
     n = x.shape[0]
@@ -71,7 +75,7 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None
         out[i] = w[i] * (x[i] * r)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=FAST)
 def decode(
     token: int,
     past: int,
