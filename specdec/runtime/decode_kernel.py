@@ -273,12 +273,10 @@ class DecodeKernel:
         (appended to ``feed.hidden_out`` as [1, d])."""
         kv, past = feed.kv, feed.kv.length
         runner = self.runner
-        rope = runner._rope
-        if rope.length <= past:
-            rope = runner._rope = rope.grown(past + 1)
-            if rope is None:  # (the regrown table disagreed: the runner's passes now)
-                runner._decode = None
-                return runner.forward([feed])
+        rope = runner.rope_table(past + 1)
+        if rope is None:  # (a regrown table disagreed: the runner's passes now)
+            runner._decode = None
+            return runner.forward([feed])
         for layer in range(self.num_layers):
             kv._buffers(layer, self._like, past + 1)
         hidden = np.empty(self.embed.shape[1], np.float32)
@@ -334,12 +332,6 @@ class DecodeKernel:
             if not math.isfinite(scale) or float((a - b).abs().max()) / scale > TOLERANCE:
                 return "its cache differs from the runner's"
         return ""
-
-    def warm(self) -> None:
-        """Compile (or load from numba's disk cache) for this model's layer count."""
-        kv = SessionKV()
-        with torch.inference_mode():
-            self(Feed(kv, [0], 1))
 
 
 # SiLU as torch and transformers (``ACT2FN["silu"]``) name it.

@@ -401,11 +401,17 @@ class RaggedRunner:
         is on."""
         from .decode_kernel import DecodeKernel
 
-        kernel = DecodeKernel.of(self)
-        if kernel is not None:
-            kernel.warm()
-        self._decode = kernel
-        return kernel is not None
+        # (its start-up check has compiled it, or loaded it from numba's disk cache)
+        self._decode = DecodeKernel.of(self)
+        return self._decode is not None
+
+    def rope_table(self, end: int) -> RopeTable | None:
+        """The rotary table, grown to hold positions below ``end`` (None: the rotary
+        module runs each pass, as it does for good once a regrown table disagreed)."""
+        rope = self._rope
+        if rope is not None and rope.length < end:
+            rope = self._rope = rope.grown(end)
+        return rope
 
     def self_test(self) -> None:
         """Refuse a model whose packed forward differs from its own forward.
@@ -593,9 +599,7 @@ class RaggedRunner:
         ``packed_linear`` replaces some after start-up."""
         model, base = self.model, self.model.model
         hidden = base.embed_tokens(ids)  # [1, N, hidden]
-        rope = self._rope
-        if rope is not None and rope.length < end:
-            rope = self._rope = rope.grown(end)  # (None: it disagreed with the module)
+        rope = self.rope_table(end)
         if rope is not None:
             position_embeddings = rope.lookup(pos, span)
         else:
