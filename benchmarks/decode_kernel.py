@@ -22,19 +22,15 @@ Paired ratios. Prints a table; writes results.json and results.md.
 
 from __future__ import annotations
 
-import os
-import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 from specdec.runtime import packed_linear
 from specdec.runtime.loading import load_model
 from specdec.runtime.ragged import RaggedRunner
 
-from .common import machine_info, torch_threads
-from .fused_projections import both_ways_rows, measure_both_ways
-from .lean_forward import alternating_passes, pass_rows, side_by_side_args, sustained_rows
-from .plain_runs import save_side_by_side, side_by_side_header
+from .common import torch_threads
+from .fused_projections import side_by_side_both_ways
+from .lean_forward import alternating_passes, side_by_side_args
 
 MODES = {
     "plain@0": {"temperature": 0.0, "gamma": 0},
@@ -67,34 +63,16 @@ def _alpha(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = side_by_side_args(__doc__, "decode-kernel", 4).parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = machine_info("cpu")
-    passes = {"draft, 1 thread": pass_times(args.draft, args.passes)}
-    rows = pass_rows(passes, ARMS)
-    arms = {arm: arm == "kernel" for arm in ARMS}
-    one, rates = measure_both_ways(args, out, "decode_kernel", arms, MODES)
-    info["load_average_end"] = list(os.getloadavg())
-    lines = side_by_side_header(
-        "The draft's one-token passes in one compiled call against its torch calls",
-        info,
-        f"Pass times: {args.passes} passes per arm, alternating. One client: "
-        f"{args.repeats} interleaved rounds of 8 prompts x {args.max_new_tokens} tokens per "
-        f"mode and arm; the three services on one thread each, one process as head_to_head "
-        f"runs it. Sustained rounds ({args.warm:g} s not counted, {args.window:g} s "
-        f"counted), T=1, the three services, {args.repeats} per configuration.",
-    )
-    lines += ["## Pass times (median ms)", ""] + rows
-    lines += ["", "## One client (tok/s; ms per step: forwards of draft + target, the rest)", ""]
     alpha = ("alpha torch / kernel", lambda a, b: f"{_alpha(a)} / {_alpha(b)}")
-    lines += both_ways_rows(one, MODES, ARMS, alpha)
-    if args.clients:
-        lines += ["", "## Sustained load, three services (tok/s)", ""]
-        lines += sustained_rows(rates, args.clients, ARMS)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    results = rates | {"pass_times": passes, "one_client": one}
-    save_side_by_side(out, lines, info, results, med)
-    return 0
+    return side_by_side_both_ways(
+        args,
+        "The draft's one-token passes in one compiled call against its torch calls",
+        "decode_kernel",
+        ARMS,
+        MODES,
+        lambda: {"draft, 1 thread": pass_times(args.draft, args.passes)},
+        alpha,
+    )
 
 
 if __name__ == "__main__":

@@ -125,25 +125,26 @@ def both_ways_rows(
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = side_by_side_args(__doc__, "fused-projections", 4).parse_args(argv)
+def side_by_side_both_ways(
+    args,
+    title: str,
+    key: str,
+    arms: tuple[str, str],
+    modes: dict[str, dict],
+    passes_of: Callable[[], dict],
+    extra: tuple[str, Callable] | None = None,
+) -> int:
+    """A model-service setting ``key`` off (``arms[0]``) and on (``arms[1]``): pass times
+    (``passes_of()``, {model: {shape: times}}), then ``measure_both_ways``; writes the
+    report (``both_ways_rows``, with ``extra``) and results.json into ``args.out``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info("cpu")
-    passes = {
-        f"{role}, {threads} thread{'s' * (threads > 1)}": pass_times(path, args.passes, threads)
-        for role, path, threads in (
-            ("target", args.target, 1),
-            ("target", args.target, 2),
-            ("draft", args.draft, 1),
-        )
-    }
-    rows = pass_rows(passes, ARMS)
-    arms = {arm: arm == "fused" for arm in ARMS}
-    one, rates = measure_both_ways(args, out, "fused_projections", arms, MODES)
+    passes = passes_of()
+    one, rates = measure_both_ways(args, out, key, {arm: arm == arms[1] for arm in arms}, modes)
     info["load_average_end"] = list(os.getloadavg())
     lines = side_by_side_header(
-        "Decoder layers run fused against their own calls",
+        title,
         info,
         f"Pass times: {args.passes} passes per arm, alternating. One client: "
         f"{args.repeats} interleaved rounds of 8 prompts x {args.max_new_tokens} tokens per "
@@ -151,16 +152,33 @@ def main(argv: list[str] | None = None) -> int:
         f"runs it. Sustained rounds ({args.warm:g} s not counted, {args.window:g} s "
         f"counted), T=1, the three services, {args.repeats} per configuration.",
     )
-    lines += ["## Pass times (median ms)", ""] + rows
+    lines += ["## Pass times (median ms)", ""] + pass_rows(passes, arms)
     lines += ["", "## One client (tok/s; ms per step: forwards of draft + target, the rest)", ""]
-    lines += both_ways_rows(one, MODES, ARMS)
+    lines += both_ways_rows(one, modes, arms, extra)
     if args.clients:
         lines += ["", "## Sustained load, three services (tok/s)", ""]
-        lines += sustained_rows(rates, args.clients, ARMS)
+        lines += sustained_rows(rates, args.clients, arms)
     med = {k: statistics.median(v) for k, v in rates.items()}
     results = rates | {"pass_times": passes, "one_client": one}
     save_side_by_side(out, lines, info, results, med)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = side_by_side_args(__doc__, "fused-projections", 4).parse_args(argv)
+
+    def passes() -> dict:
+        return {
+            f"{role}, {n} thread{'s' * (n > 1)}": pass_times(path, args.passes, n)
+            for role, path, n in (
+                ("target", args.target, 1),
+                ("target", args.target, 2),
+                ("draft", args.draft, 1),
+            )
+        }
+
+    title = "Decoder layers run fused against their own calls"
+    return side_by_side_both_ways(args, title, "fused_projections", ARMS, MODES, passes)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ from .run import (
     _run_prompts,
     assistant_k,
     hf_generate,
+    overhead_ms,
     pin_stack,
     torch_on,
     unpin_stack,
@@ -112,13 +113,6 @@ def services_rate(
     if steps is not None and r != WARM_UP:
         steps.append(overhead_ms(total))
     return total["tokens"] / total["wall_s"]
-
-
-def overhead_ms(total: dict) -> float:
-    """Issue 15's orchestration overhead: a step's wall time minus its draft and
-    target forward time, ms per step, from the responses' stats summed over a round."""
-    fwd = total["draft_forward_s"] + total["target_forward_s"]
-    return (total["steps_s"] - fwd) / max(total["steps"], 1) * 1e3
 
 
 def overhead_gamma(gammas: list[int]) -> int:
