@@ -61,6 +61,23 @@ class Philox:
         self._words: list[int] = []  # the current block's unread words, the next one last
         self._half: int | None = None  # a 64-bit word's unread high half
 
+    @classmethod
+    def at(cls, seed: int, position: int) -> Philox:
+        """The stream keyed by ``seed`` after ``position`` 64-bit words were drawn
+        from it (``tell``)."""
+        rng = cls(seed)
+        rng._counter = position // 4
+        for _ in range(position % 4):
+            rng.next64()
+        return rng
+
+    def tell(self) -> int:
+        """The 64-bit words drawn so far (a stream without jumps whose 32-bit draws,
+        if any, left no half unread): ``Philox.at(seed, tell())`` goes on from here."""
+        if self._half is not None or self._counter >> 64:
+            raise ValueError("tell: a half-read word or a jumped stream")
+        return 4 * self._counter - len(self._words)
+
     def next64(self) -> int:
         """The next 64-bit word."""
         if self._words:

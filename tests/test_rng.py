@@ -72,3 +72,20 @@ def test_a_seed_outside_64_bits_is_refused(seed):
 def test_an_empty_or_too_wide_span_is_refused(low, high):
     with pytest.raises(ValueError, match="low < high"):
         Philox(1).integers(low, high)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 2**64 - 1])
+def test_a_stream_goes_on_from_where_tell_says(seed):
+    """``Philox.at(seed, rng.tell())`` draws what ``rng`` draws next (a paced pipeline
+    goes on with the request's stream at the draft: ``Pipeline.stream_position``)."""
+    for drawn in range(13):
+        rng = Philox(seed)
+        rng.random(drawn)
+        assert rng.tell() == drawn
+        again = Philox.at(seed, drawn)
+        assert again.tell() == drawn
+        assert again.random(6) == rng.random(6) and again.tell() == rng.tell()
+    rng = Philox(seed)
+    rng.next32()
+    with pytest.raises(ValueError):
+        rng.tell()
