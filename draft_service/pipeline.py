@@ -22,7 +22,14 @@ step. This loop keeps the target fed:
   target drops them too) and the next block is drafted from the settled cursor
   and relayed at once.
 
-Every block's seeds and uniforms come from the pipeline's key by step index
+A paced pipeline (depth 0, ``orchestrator.paced``) does only the last: it drafts
+nothing while a block is verified, and after every verdict, a block accepted in
+full included, drafts the next block from the settled cursor and relays it. Its
+draws are the request's own, from its stream (``Pipeline.stream_position``), in
+the order the caller's asked steps draw them: the same seed gives the same
+output paced or asked.
+
+Otherwise every block's seeds and uniforms come from the pipeline's key by step index
 (``step.pipeline_draws``) and every block's length from the tokens still wanted
 (``step.pipeline_gamma``), so nothing here is decided that the caller does not
 decide the same way. It ends when no more tokens are wanted, when a relay
@@ -48,6 +55,7 @@ from orchestrator.step import (
     settle,
 )
 from specdec import metrics, tracing
+from specdec.rng import Philox, seeds
 from specdec.runtime.ragged import SessionKV
 from specdec.sampling import Verdict
 from specdec.sessions import Session
@@ -71,6 +79,7 @@ class Block:
     first: int | None = None  # a greedy follower: the bonus it needs (Chain.first_token)
     alternates: list[int] | None = None  # greedy: the draft's second choice at each draft
     guessed: bool = False  # its guesses are drafted (or none will be)
+    forward_s: float = 0.0  # the draft's forward passes that drafted it (Verify.draft_forward_s)
     verdict: asyncio.Future = field(default_factory=lambda: _loop().create_future())
 
     def echo(self, v: target_pb2.Verdict) -> None:
@@ -100,12 +109,21 @@ class Pipeline:
         gamma: int,
         depth: int,
         pit: bool,
+        draft_idle: bool = False,
+        stream: tuple[int, int] | None = None,
     ) -> None:
         self.drafter = drafter
         self.session = session
         self.relay = relay  # RelayClient
         self.target, self.token = target, token
         self.key, self.gamma, self.depth, self.pit = key, gamma, depth, pit
+        # Paced (depth 0): nothing is drafted while a block is verified, so its
+        # verifies say the draft is idle when the first one did (Verify.draft_idle).
+        self.draft_idle = draft_idle and depth == 0
+        # Paced: the draws come from the request's stream (seed, words drawn before the
+        # first block's), as the caller's asked steps draw them (``Generation.step``).
+        self.stream = Philox.at(*stream) if stream is not None and depth == 0 else None
+        self.next_draft_seed = 0
         self.match = session.params.greedy  # greedy followers keep the bonus
         self.chain: list[Block] = []  # [0]: the block whose verdict comes next
         self.target_cursor: Cursor | None = None  # the one chain[0] runs from
@@ -116,7 +134,11 @@ class Pipeline:
         """The propose's own block (index 0), before it is relayed; ``left``: tokens
         still wanted before it."""
         drafts = list(proposal.tokens)
-        _, seed, u = pipeline_draws(self.key, 0, FRESH, len(drafts))
+        if self.stream is not None:
+            _, seed, self.next_draft_seed = seeds(self.stream, 3)
+            u = self.stream.random(self.gamma)[: len(drafts)]
+        else:
+            _, seed, u = pipeline_draws(self.key, 0, FRESH, len(drafts))
         block = Block(0, FRESH, drafts, cursor, left, seed, u)
         block.alternates = proposal.alternates
         self.chain, self.target_cursor = [block], target_cursor
@@ -125,6 +147,8 @@ class Pipeline:
     async def run(self) -> None:
         """Draft ahead, settle each verdict, until no more tokens are wanted."""
         try:
+            while self.chain and not self.depth:  # paced: nothing drafted meanwhile
+                await self._settle(self.chain[0], await self.chain[0].verdict)
             while self.chain:
                 # The head's guesses and, if none is relayed yet, the block that follows
                 # it, drafted together: the forward loop runs all their feeds in one
@@ -254,11 +278,16 @@ class Pipeline:
         g = pipeline_gamma(left, self.gamma)
         if not g:
             return
-        draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, FRESH, g)
+        if self.stream is not None:  # paced: the caller's asked step's draws
+            draft_seed = self.next_draft_seed
+            _, seed, self.next_draft_seed = seeds(self.stream, 3)
+            u = self.stream.random(g)
+        else:
+            draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, FRESH, g)
         proposal = await self._draft(outcome.draft, g, draft_seed)
         tracing.mark("pipeline-drafted")
         fresh = Block(b.index + 1, FRESH, proposal.tokens, outcome.draft, left, seed, u)
-        fresh.alternates = proposal.alternates
+        fresh.alternates, fresh.forward_s = proposal.alternates, proposal.forward_s
         after = target_pb2.Chain(after_seed=b.seed, after_rejection=True)
         if await self._relay(fresh, proposal.qs, after, cursor=outcome.target):
             tracing.mark("pipeline-relayed")
@@ -274,6 +303,7 @@ class Pipeline:
         request = target_pb2.RelayedVerify(relay_token=self.token)
         v = request.verify
         v.seed, v.pipeline, v.return_pit = b.seed, self.key, self.pit
+        v.draft_idle, v.draft_forward_s = self.draft_idle, b.forward_s
         v.chain.CopyFrom(chain)
         if cursor is not None:
             v.cache_len, v.pending_tokens[:] = cursor.cache_len, cursor.pending

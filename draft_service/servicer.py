@@ -108,6 +108,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         p.gamma,
                         p.pipeline.depth,
                         verify.return_pit,
+                        verify.draft_idle,
+                        (p.pipeline.stream_seed, p.pipeline.stream_position),
                     )
                     t = Cursor(verify.cache_len, tuple(verify.pending_tokens))
                     d = Cursor(p.cache_len, tuple(p.append_tokens))
@@ -174,7 +176,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             "pipeline.tokens",
             f"must be at least gamma + 1 ({p.gamma + 1}), got {pipe.tokens}",
         )
-        require(1 <= pipe.depth <= 4, "pipeline.depth", f"must be in [1, 4], got {pipe.depth}")
+        require(pipe.depth <= 4, "pipeline.depth", f"must be in [0, 4], got {pipe.depth}")
         require(not p.guess_residuals, "pipeline", "a pipelined propose takes no guess_residuals")
 
     @staticmethod

@@ -577,7 +577,9 @@ class CostModel:
         ``guess_cover`` of them). Otherwise the step also waits for the verdict's echo
         to the draft, its drafting and the relay back: a round trip between the two
         (the one to the draft stands for it) and the drafting. No round trip to this
-        orchestrator: nobody asks for the steps.
+        orchestrator: nobody asks for the steps. ``pipelined`` without ``overlap``: a
+        paced step (``orchestrator.paced``), whose block is always drafted after the
+        verdict's echo and whose verify may run wide.
 
         ``wide``: of a sequential step's verify, the share priced as a pass on the
         draft's cores too (``verify_cost``; ``Verify.draft_idle``)."""
@@ -586,6 +588,8 @@ class CostModel:
             return scale * (self.rtt_target_s.value + run * self.plain_pass_cost())
         if pipelined:
             wait = self.rtt_draft_s.value + self.draft_cost(gamma)
+            if not overlap:  # paced
+                return scale * (self.verify_cost(gamma, wide) + wait)
             if drafted is None:
                 chained = alpha ** (gamma + match)
                 ready = chained + (1 - chained) * (self.guess_cover.value if match else 0.0)
@@ -638,11 +642,13 @@ class CostModel:
         plain: bool = True,
         pipelined: bool = False,
         alone: bool = False,
+        paced: bool = False,
     ) -> tuple[int, bool]:
         """The (gamma, overlap) with the highest expected rate, gamma <= limit; a plain
         step would be a run of ``run`` tokens (``plain`` False: the best drafting
         step); ``match``: a greedy request (``rate``); ``pipelined``: a step that drafts
-        ahead would start a pipeline, and is priced as its steps; ``alone``: the
+        ahead would start a pipeline, and is priced as its steps; ``paced``: so would a
+        sequential step, a paced one (``orchestrator.paced``); ``alone``: the
         orchestrator's only request, whose sequential steps' verifies say the draft is
         idle, and run wide as often as such verifies did (``wide_share``)."""
         best = (0, False)
@@ -655,7 +661,7 @@ class CostModel:
                     alpha,
                     overlap,
                     match=match,
-                    pipelined=overlap and pipelined,
+                    pipelined=pipelined if overlap else paced,
                     wide=0.0 if overlap else wide,
                 )
                 if r > best_rate * 1.0001:
@@ -703,7 +709,7 @@ def load_bucket(requests: int) -> int:
 
 def _kind(gamma: int, overlap: bool, pipelined: bool = False) -> str:
     if gamma and pipelined:
-        return "pipelined"
+        return "pipelined" if overlap else "paced"
     return "plain" if gamma == 0 else "overlapped" if overlap else "sequential"
 
 
@@ -720,8 +726,10 @@ class RequestPolicy:
     arm: str = "model"  # the PlainGuard arm of the last choice (adaptive requests)
     guard: PlainGuard | None = None  # the check for this step's load (None: off)
     load: int = 1  # requests generating at once (the engine's ``load()``) at this step
-    # A step that drafts ahead would start a pipeline (the engine's ``may_pipeline``).
+    # A step that drafts ahead would start a pipeline (the engine's ``may_pipeline``),
+    # and a sequential one a paced pipeline (``orchestrator.paced``).
     pipelined: bool = False
+    paced: bool = False
 
     @property
     def alpha(self) -> float:
@@ -756,13 +764,13 @@ class RequestPolicy:
         piped = ahead and self.pipelined
         alone = self.load <= 1  # (its sequential steps' verifies run wide: the engine's)
         gamma, overlap = self.model.choose(
-            alpha, limit, ahead, run, self.greedy, pipelined=piped, alone=alone
+            alpha, limit, ahead, run, self.greedy, pipelined=piped, alone=alone, paced=self.paced
         )
         if gamma == 0 and limit > 0 and self.model.explore(self.load):
             # Keep alpha and the draft's costs current, with the draft that would be
             # chosen if drafting paid: the drafts it judges are the evidence.
             gamma, overlap = self.model.choose(
-                alpha, limit, ahead, 1, self.greedy, False, pipelined=piped, alone=alone
+                alpha, limit, ahead, 1, self.greedy, False, piped, alone, self.paced
             )
         metrics.CHOSEN_GAMMA.observe(gamma)
         return gamma, overlap

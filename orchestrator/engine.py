@@ -16,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -112,6 +113,11 @@ class Piped:
     key: int
     gamma: int
     pit: bool
+    depth: int = 1  # blocks drafted ahead at most (0: paced, ``orchestrator.paced``)
+    # Paced: the next block's verify seed and uniforms, from the request's own stream
+    # (``Generation.rng``) as an asked step draws them.
+    seed: int = 0
+    u: tuple[float, ...] = ()
     index: int = 0
     kinds: tuple[int, ...] = (FRESH,)
     matched: Cursor | None = None
@@ -533,7 +539,9 @@ class Generation:
         t0 = time.perf_counter()
         remaining = self.spec.max_new_tokens - self.pushed
         self.policy.pipelined = self.may_pipeline()
+        self.policy.paced = self.may_pipeline(overlap=False)
         draft_seed = self.next_draft_seed
+        position = self.rng.tell()  # (where a paced pipeline's draws go on from)
         ahead_seed, target_seed, self.next_draft_seed = seeds(self.rng, 3)
         proposal, self.ahead = self.ahead, None
         drafted_now = proposal is None
@@ -567,14 +575,21 @@ class Generation:
                     # leaves that block unused (``DraftOn.ahead``). Not with rollbacks
                     # between steps, nor in what may be the last step.
                     wait = self.o.explicit_rollback or remaining <= gamma + 1
-                    if relay is not None and overlap and self.pipelines(remaining, gamma):
-                        # The draft paces the steps from here (``follow``).
-                        key = seeds(self.rng)[0] or 1
-                        draft_seed, target_seed, _ = pipeline_draws(key, 0, FRESH, 0)
-                        relay = self.target.relay_to(target_seed, pit)
-                        spec = PipelineSpec(key, remaining, self.o.pipeline_depth)
+                    if relay is not None and self.pipelines(remaining, gamma, overlap):
+                        # The draft paces the steps from here (``follow``); a sequential
+                        # step's pipeline drafts nothing ahead (``orchestrator.paced``).
+                        depth = self.o.pipeline_depth if overlap else 0
+                        stream = (0, 0)
+                        if depth:  # every step's draws from the pipeline's key
+                            key = seeds(self.rng)[0] or 1
+                            draft_seed, target_seed, _ = pipeline_draws(key, 0, FRESH, 0)
+                        else:  # paced: this step's draws and the stream's after them
+                            key = secrets.randbits(64) or 1  # (it only names the pipeline)
+                            stream = (self.spec.seed, position)
+                        relay = self.target.relay_to(target_seed, pit, relay_idle and not depth)
+                        spec = PipelineSpec(key, remaining, depth, stream)
                         relay = dataclasses.replace(relay, pipeline=spec)
-                        self.pipe = Piped(key, gamma, pit)
+                        self.pipe = Piped(key, gamma, pit, depth, target_seed, tuple(u))
                         wait = True
                     wait = wait or (overlap and not self.o.draft_on_ahead)
                     if relay is not None and self.o.draft_on and not wait:
@@ -712,26 +727,29 @@ class Generation:
             )
 
     # ---- pipelined speculation -------------------------------------------------------
-    def pipelines(self, remaining: int, gamma: int) -> bool:
-        """Whether this overlapped step starts a pipeline (``may_pipeline``), with
-        tokens for more than one step."""
-        return self.may_pipeline() and remaining > gamma + 1
+    def pipelines(self, remaining: int, gamma: int, overlap: bool) -> bool:
+        """Whether this step starts a pipeline (``may_pipeline``), with tokens for
+        more than one step."""
+        return self.may_pipeline(overlap) and remaining > gamma + 1
 
-    def may_pipeline(self) -> bool:
-        """Whether a step that drafts ahead would start a pipeline now
-        (``orchestrator.pipeline``): its proposal relayed, at light load (a pipeline
-        takes the draft's and the target's time without asking), with a long hop to
-        the draft (``pipeline_starts``), and with neither rollbacks between steps nor
-        dense diagnostics. The adaptive policy prices such a step as a pipeline's."""
+    def may_pipeline(self, overlap: bool = True) -> bool:
+        """Whether a step that drafts ahead (``overlap``) would start a pipeline now
+        (``orchestrator.pipeline``), or a sequential one a paced pipeline, which
+        drafts nothing ahead (``orchestrator.paced``): its proposal relayed, at light
+        load (a pipeline takes the draft's and the target's time without asking),
+        drafting ahead only with a long hop to the draft (``pipeline_starts``), and
+        with neither rollbacks between steps nor dense diagnostics. The adaptive
+        policy prices such a step as a pipeline's."""
         o = self.o
+        if not (o.pipeline if overlap else o.paced):
+            return False
         return (
-            o.pipeline
-            and o.relay
+            o.relay
             and self.draft is not None
             and not o.explicit_rollback
             and not self.spec.dense
             and self.relay_pays()
-            and self.pipeline_starts()
+            and (self.pipeline_starts() if overlap else self.pipeline_pays())
         )
 
     def pipeline_pays(self) -> bool:
@@ -769,7 +787,14 @@ class Generation:
             return await self.step()
         tracing.mark("follow")
         index = pipe.index
-        expected = {pipeline_draws(pipe.key, pipe.index, k, 0)[1]: k for k in pipe.kinds}
+        if not pipe.depth:  # paced: the draws an asked step makes, in the same order
+            if index:
+                g = pipeline_gamma(remaining, pipe.gamma)
+                _, pipe.seed, self.next_draft_seed = seeds(self.rng, 3)
+                pipe.u = tuple(self.rng.random(g))
+            expected = {pipe.seed: FRESH}
+        else:
+            expected = {pipeline_draws(pipe.key, index, k, 0)[1]: k for k in pipe.kinds}
         seed = fallback_seed(next(iter(expected)))  # (a plain step's, if the pipeline is lost)
         try:
             verdict = await self.target.verify(None, seed, False, pipe.pit, follow=(*expected,))
@@ -788,7 +813,10 @@ class Generation:
             if kind == FOLLOWER and pipe.matched is not None:  # the greedy block before matched
                 self.draft.cursor = pipe.matched
             drafts = verdict.drafts
-            u = pipeline_draws(pipe.key, pipe.index, kind, len(drafts))[2]
+            if pipe.depth:
+                u = pipeline_draws(pipe.key, index, kind, len(drafts))[2]
+            else:
+                u = list(pipe.u[: len(drafts)])
             nxt = pipeline_gamma(remaining - len(drafts) - match, pipe.gamma, match)
             if verdict.cache_len != self.target.cursor.end + len(drafts):
                 self.stop_pipeline()
@@ -797,16 +825,17 @@ class Generation:
                     f"{self.target.cursor.end + len(drafts)}"
                 )
         draft_before = self.draft.cursor if self.draft is not None else None
-        outcome = settle(
-            self.target.cursor, draft_before, drafts, verdict, u, chain=bool(nxt) and not match
-        )
+        chains = bool(nxt) and not match and pipe.depth > 0  # (a follower takes the bonus)
+        outcome = settle(self.target.cursor, draft_before, drafts, verdict, u, chain=chains)
         self.apply(outcome, verdict)
         self.history.extend(outcome.tokens)
         if self.pipe is not None:
             left = remaining - len(outcome.tokens)
             pipe.index += 1
             pipe.matched = None
-            if outcome.chained:
+            if not pipe.depth:  # nothing drafted ahead: every block is drafted after a verdict
+                pipe.kinds = (FRESH,)
+            elif outcome.chained:
                 pipe.kinds = (FOLLOWER,)
             elif match and drafts and outcome.accepted == len(drafts) and nxt:
                 pipe.kinds = (FOLLOWER, FRESH)
@@ -822,15 +851,18 @@ class Generation:
                 self.pipe = None
         t2 = time.perf_counter()
         self.observe(None, verdict, 0.0, t1 - t0, relayed=True)
+        if index and kind == FRESH:  # drafted after the verdict before it: on the path
+            self.stats.draft_forward_s += verdict.draft_forward_s
         if index and drafts:  # (the first block's time includes its propose)
             self.orch.cost.observe_step(
                 len(drafts),
-                True,
+                pipe.depth > 0,
                 self.policy.alpha,
                 t2 - t0,
                 match=match,
                 drafted=kind == FRESH,
                 pipelined=True,
+                wide=verdict.wide,
             )
         self.policy.observe(len(drafts), outcome.accepted)
         self.record_step(len(drafts), outcome.accepted, 0.0, t1 - t0, 0.0, t2 - t0)

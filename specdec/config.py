@@ -303,6 +303,15 @@ class OrchestratorConfig:
     # block drafted ahead unused (DraftOn.ahead). The draft then drafts two blocks in
     # a row, which costs where it shares a core with the orchestrator.
     draft_on_ahead: bool = True
+    # Paced steps: a lone request's sequential step (one that drafts nothing ahead)
+    # starts a pipeline of depth 0, and from then on the draft paces the steps: on
+    # each verdict's echo it settles it, drafts the next block and relays it at
+    # once; nothing is drafted while the target verifies, and this orchestrator
+    # only follows the verdicts (the same draws and checks as the pipelines below;
+    # docs/exactness.md, 4g). Takes the orchestrator off the step's path, where
+    # draft_on leaves it in: the next block waits at the draft for its propose.
+    # Gated like pipelines by pipeline_max_requests, not by pipeline_min_rtt_ms.
+    paced: bool = True
     # Pipelined speculation: in steps that draft ahead, the draft paces the steps
     # itself, relaying each block it drafts ahead marked to run only if the block
     # before it is accepted in full, and the target runs it without waiting for

@@ -783,6 +783,8 @@ class Verdict:
     # A pipelined verify's (``Verify.pipeline``): the drafts it judged, and its seed.
     drafts: list[int] | None = None
     seed: int = 0
+    # A pipelined block's: the draft's forward seconds for it (Verify.draft_forward_s).
+    draft_forward_s: float = 0.0
 
 
 def verify_draft(

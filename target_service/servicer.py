@@ -131,6 +131,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 run_tokens=verdict.run_tokens,
                 seed=v.seed,
                 wide=verdict.wide,
+                draft_forward_s=v.draft_forward_s,
             )
             if verdict.mass_above is not None:
                 out.mass_above.extend(verdict.mass_above)

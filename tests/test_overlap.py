@@ -169,9 +169,9 @@ def _exact_positions(pair, params: SamplingParams):
     return p1, m2, m3
 
 
-def _fields(seed: int, params: SamplingParams) -> dict:
+def _fields(seed: int, params: SamplingParams, overlap: bool = True) -> dict:
     return dict(prompt=PROMPT, max_new_tokens=4, temperature=params.temperature,
-                top_k=params.top_k, top_p=params.top_p, gamma=1, overlap=True,
+                top_k=params.top_k, top_p=params.top_p, gamma=1, overlap=overlap,
                 seed=seed)  # fmt: skip
 
 
@@ -180,9 +180,9 @@ def _columns(rows):
     return x1, x2, x3, int((chained > 0).sum())
 
 
-def _sample(stack, params: SamplingParams):
+def _sample(stack, params: SamplingParams, overlap: bool = True):
     def one(seed):
-        ids, _, st = stack.generate_raw(**_fields(seed, params))
+        ids, _, st = stack.generate_raw(**_fields(seed, params, overlap))
         return ids[0], ids[1], ids[2], st.overlapped_steps
 
     with ThreadPoolExecutor(CONCURRENT) as pool:
@@ -204,11 +204,15 @@ def _sample_in_process(pair, params: SamplingParams, draft: dict | None = None):
     return _columns(asyncio.run(scenario()))
 
 
-def _check(stack, pair, params, draft: dict | None = None):
+def _check(stack, pair, params, draft: dict | None = None, overlap: bool = True):
     """``stack``: the gRPC services, or None for the in-process engine (``draft``: its
-    draft service's settings)."""
+    draft service's settings). ``overlap``: the requests draft ahead (through the
+    services only)."""
     p1, p2, p3 = _exact_positions(pair, params)
-    sampled = _sample(stack, params) if stack else _sample_in_process(pair, params, draft)
+    if stack:
+        sampled = _sample(stack, params, overlap)
+    else:
+        sampled = _sample_in_process(pair, params, draft)
     x1, x2, x3, chained = sampled
     results = {
         "position 1": (tv(x1, p1), tv_threshold(p1, N)),

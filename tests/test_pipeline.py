@@ -303,3 +303,75 @@ def test_a_pipeline_whose_followers_skip_their_first_test_fails_the_same_test(tm
     assert chained > N // 10, f"only {chained} of {N} requests chained a step"
     failed = [k for k, (d, t) in results.items() if d >= t]
     assert failed, f"the broken pipeline passed: {results}"
+
+
+# ---- paced steps (orchestrator.paced: pipelines of depth 0) -------------------------------
+# At any load, as PIPELINE; sequential steps start them by default.
+PACED = dict(orchestrator__relay_max_requests=0, orchestrator__pipeline_max_requests=0)
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory, llama_pair):
+    with local_stack(
+        tmp_path_factory.mktemp("paced"), *llama_pair, orchestrator__wire_top_k=WIRE_TOP_K, **PACED
+    ) as stack:
+        yield stack
+
+
+def test_greedy_equals_generate_paced(paced, llama_pair):
+    """Sequential steps are paced by the draft: after each verdict it drafts and relays
+    the next block itself, a block accepted in full included (no follower exists)."""
+    _, target = llama_pair
+    ids = load_tokenizer(str(target)).encode("we shall pace it")
+    want = _reference(target, ids, 40)
+    fresh = _blocks(paced, "fresh")
+    for gamma in (1, 2, 3, 5):
+        got, _, stats = paced.generate_raw(
+            prompt=ids, max_new_tokens=40, temperature=0.0, gamma=gamma, overlap=False
+        )
+        assert got == want, gamma
+        assert stats.overlapped_steps == 0
+        # the draft's forwards of the blocks nobody asked for reach the statistics
+        assert stats.draft_forward_s > 0
+    assert _blocks(paced, "fresh") > fresh + 10
+    assert _blocks(paced, "follower") == 0 and _guesses_used(paced) == 0
+    wait_for_zero_sessions(paced)
+
+
+def test_paced_with_every_draft_accepted(tmp_path, llama_pair):
+    """The target as its own draft: every block is accepted in full and keeps its bonus
+    (no follower takes its position), the output is ``generate()``'s, also ended by a
+    stop string mid-pipeline, and nothing is left of it afterwards."""
+    _, target = llama_pair
+    tok = load_tokenizer(str(target))
+    ids = tok.encode("all of it, paced")
+    want = _reference(target, ids, 33)
+    with local_stack(tmp_path, target, target, **PACED) as stack:
+        for gamma in (2, 4):
+            got, _, stats = stack.generate_raw(
+                prompt=ids, max_new_tokens=33, temperature=0.0, gamma=gamma, overlap=False
+            )
+            assert got == want, gamma
+            assert stats.accepted_tokens == stats.drafted_tokens
+            assert stats.steps <= -(-33 // (gamma + 1)) + 1, stats
+        stop = tok.decode(want[12:14])
+        got, _, stats = stack.generate_raw(
+            prompt=ids, max_new_tokens=33, temperature=0.0, gamma=3, overlap=False, stop=[stop]
+        )
+        assert stats.finish_reason == "stop" and got == want[: len(got)]
+        again, _, _ = stack.generate_raw(
+            prompt=ids, max_new_tokens=33, temperature=0.0, gamma=3, overlap=False
+        )
+        assert again == want
+        assert _blocks(stack, "fresh") > 10 and _blocks(stack, "follower") == 0
+        wait_for_zero_sessions(stack)
+
+
+@pytest.mark.slow
+def test_paced_sampling_follows_the_target(paced, llama_pair):
+    """T=1, gamma 1, sequential steps paced by the draft: the target's marginals at
+    positions 1-3 (a block accepted in full keeps its bonus: none chains)."""
+    results, chained = _check(paced, llama_pair, SamplingParams(1.0), overlap=False)
+    assert chained == 0
+    for name, (dist, threshold) in results.items():
+        assert dist < threshold, f"{name}: TV {dist:.4f} >= threshold {threshold:.4f}"

@@ -126,13 +126,19 @@ class _Relayed:
 @pytest.fixture(scope="module")
 def ab_stack(tmp_path_factory, llama_pair):
     """One draft and target; the stack's orchestrator relays (and the draft drafts on),
-    a second one does not relay, a third relays without drafting on. The draft guesses
+    a second one does not relay, a third relays without drafting on, and a fourth
+    lets the draft pace sequential steps (``orchestrator.paced``, on by default; off
+    for the others). The draft guesses
     sampled residual draws (``sampled_guesses``), which must not depend on the route.
     (The target runs every pass on one thread: whether a pass takes more,
     ``plain_torch_threads``, depends on timing, and its logits' last bits with it.)"""
     draft, target = llama_pair
     with local_stack(
-        tmp_path_factory.mktemp("relay-ab"), draft, target, draft__sampled_guesses=4
+        tmp_path_factory.mktemp("relay-ab"),
+        draft,
+        target,
+        draft__sampled_guesses=4,
+        orchestrator__paced=False,
     ) as stack:
         direct, _ = stack.start_orchestrator(
             "direct",
@@ -146,7 +152,10 @@ def ab_stack(tmp_path_factory, llama_pair):
             stack.address("target"),
             {"orchestrator.draft_on": False},
         )
-        yield stack, direct, waiting
+        paced, _ = stack.start_orchestrator(
+            "paced", stack.address("draft"), stack.address("target"), {"orchestrator.paced": True}
+        )
+        yield stack, direct, waiting, paced
 
 
 def test_a_lone_sequential_request_lets_its_verifies_take_the_drafts_core(llama_stack):
@@ -202,10 +211,13 @@ def _residual_guesses(stack) -> float:
 def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
     """Same seed, same draws: relayed steps emit exactly what direct ones do, and
     drafting on (the draft settles each step itself from the echoed verdict and
-    drafts the next) changes nothing either, greedy and sampled, for every gamma,
+    drafts the next) changes nothing either, nor does pacing (the draft also relays
+    that next block itself, with the request's own draws), greedy and sampled, for
+    every gamma,
     and with drafting ahead (overlap) too, where sampled residual draws are coupled
     to the draft's guesses on every route."""
-    stack, direct, waiting = ab_stack
+    stack, direct, waiting, paced = ab_stack
+    fresh = stack.metric("draft", "specdec_model_pipeline_blocks_total", 'kind="fresh"')
     before = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
     used = drafted_on(stack, "used")
     for gamma, overlap in ((1, False), (3, False), (6, False), (3, True)):
@@ -225,10 +237,15 @@ def test_the_route_does_not_change_a_single_token(ab_stack, temperature):
                 assert _residual_guesses(stack) > coupled, (gamma, seed)
             assert relayed == plain, (gamma, seed)
             assert stack.generate_raw(address=waiting, **fields)[0] == plain, (gamma, seed)
+            assert stack.generate_raw(address=paced, **fields)[0] == plain, (gamma, seed)
     after = stack.metric("orchestrator", "specdec_relayed_steps_total", 'outcome="relayed"')
     assert after - before >= 2 * 6 * 5  # the sequential requests relayed (5+ steps each)
     # Nearly every step after the first was drafted before the orchestrator asked.
     assert drafted_on(stack, "used") - used >= 6 * 3
+    # The paced requests' steps after the first: drafted and relayed by the draft itself.
+    assert stack.metric("draft", "specdec_model_pipeline_blocks_total", 'kind="fresh"') - fresh >= (
+        2 * 6 * 4
+    )
 
 
 def test_a_relay_left_unconfirmed_never_changes_the_output(tmp_path, llama_pair):

@@ -119,6 +119,7 @@ def test_sampled_tokens_follow_target_distribution_when_drafting_on(tmp_path, ll
         *llama_pair,
         orchestrator__wire_top_k=WIRE_TOP_K,
         orchestrator__relay_max_requests=0,
+        orchestrator__paced=False,  # (paced steps: tests/test_pipeline.py)
     ) as stack:
         results = check(stack, llama_pair, SamplingParams(1.0), gamma=1, sequential=True)
         used = drafted_on(stack, "used")

@@ -49,12 +49,16 @@ class DraftOn:
 class PipelineSpec:
     """The draft paces the steps after this one itself (pipelined speculation,
     ``Pipeline`` in protos/specdec/v1/draft.proto): every step's draws come from
-    ``key`` (``step.pipeline_draws``); ``tokens``: still wanted before this step;
-    ``depth``: blocks drafted ahead of the one being verified, at most."""
+    ``key`` (``step.pipeline_draws``), or paced, from the request's own ``stream``;
+    ``tokens``: still wanted before this step; ``depth``: blocks drafted ahead of
+    the one being verified, at most (0: paced, ``orchestrator.paced``)."""
 
     key: int
     tokens: int
     depth: int
+    # Paced (depth 0): the request's stream, its seed and the words drawn before this
+    # step's draws (``Philox.tell``), from which every step's draws come.
+    stream: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ class RemoteDraftSession:
                 pipe = propose.pipeline
                 pipe.key, pipe.tokens = relay.pipeline.key, relay.pipeline.tokens
                 pipe.depth = relay.pipeline.depth
+                pipe.stream_seed, pipe.stream_position = relay.pipeline.stream
         p = (await self.stream.ask(draft_pb2.DraftRequest(propose=propose), timeout)).proposal
         if len(p.tokens) != gamma and not (ahead and not p.tokens):
             raise Unavailable(f"draft: sent {len(p.tokens)} of {gamma} tokens")
@@ -230,6 +231,7 @@ def _verdict(r: target_pb2.Verdict, pit: bool) -> Verdict:
         run_tokens=list(r.run_tokens),
         drafts=list(r.draft_tokens) or None,
         seed=r.seed,
+        draft_forward_s=r.draft_forward_s,
     )
 
 

@@ -47,14 +47,18 @@ class Propose(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., seed: _Optional[int] = ..., relay: _Optional[_Union[RelayTo, _Mapping]] = ..., guess_residuals: _Optional[bool] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class Pipeline(_message.Message):
-    __slots__ = ("key", "tokens", "depth")
+    __slots__ = ("key", "tokens", "depth", "stream_seed", "stream_position")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_POSITION_FIELD_NUMBER: _ClassVar[int]
     key: int
     tokens: int
     depth: int
-    def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+    stream_seed: int
+    stream_position: int
+    def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ..., depth: _Optional[int] = ..., stream_seed: _Optional[int] = ..., stream_position: _Optional[int] = ...) -> None: ...
 
 class RelayTo(_message.Message):
     __slots__ = ("target", "relay_token", "verify", "draft_on")

@@ -52,7 +52,7 @@ class TargetReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens", "cancel_relays", "guess_tokens", "chain", "pipeline", "alternates", "draft_idle")
+    __slots__ = ("cache_len", "pending_tokens", "draft_tokens", "draft_q", "seed", "return_dense_p", "return_pit", "run_tokens", "cancel_relays", "guess_tokens", "chain", "pipeline", "alternates", "draft_idle", "draft_forward_s")
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Verify(_message.Message):
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     cache_len: int
     pending_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +82,8 @@ class Verify(_message.Message):
     pipeline: int
     alternates: _containers.RepeatedScalarFieldContainer[int]
     draft_idle: bool
-    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ..., chain: _Optional[_Union[Chain, _Mapping]] = ..., pipeline: _Optional[int] = ..., alternates: _Optional[_Iterable[int]] = ..., draft_idle: _Optional[bool] = ...) -> None: ...
+    draft_forward_s: float
+    def __init__(self, cache_len: _Optional[int] = ..., pending_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[_common_pb2.PackedQ, _Mapping]] = ..., seed: _Optional[int] = ..., return_dense_p: _Optional[bool] = ..., return_pit: _Optional[bool] = ..., run_tokens: _Optional[int] = ..., cancel_relays: _Optional[_Iterable[int]] = ..., guess_tokens: _Optional[_Iterable[int]] = ..., chain: _Optional[_Union[Chain, _Mapping]] = ..., pipeline: _Optional[int] = ..., alternates: _Optional[_Iterable[int]] = ..., draft_idle: _Optional[bool] = ..., draft_forward_s: _Optional[float] = ...) -> None: ...
 
 class Chain(_message.Message):
     __slots__ = ("after_seed", "uniforms", "match", "first_token", "after_rejection", "rejected_at", "residual_token")
@@ -102,7 +104,7 @@ class Chain(_message.Message):
     def __init__(self, after_seed: _Optional[int] = ..., uniforms: _Optional[_Iterable[float]] = ..., match: _Optional[bool] = ..., first_token: _Optional[int] = ..., after_rejection: _Optional[bool] = ..., rejected_at: _Optional[int] = ..., residual_token: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed", "draft_tokens", "wide")
+    __slots__ = ("p_draft", "q_draft", "residual_tokens", "bonus_token", "cache_len", "dense_p", "compute_s", "mass_above", "p_at", "forward_s", "batch_tokens", "run_tokens", "seed", "draft_tokens", "wide", "draft_forward_s")
     P_DRAFT_FIELD_NUMBER: _ClassVar[int]
     Q_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class Verdict(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WIDE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     p_draft: _containers.RepeatedScalarFieldContainer[float]
     q_draft: _containers.RepeatedScalarFieldContainer[float]
     residual_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -133,4 +136,5 @@ class Verdict(_message.Message):
     seed: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     wide: bool
-    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., wide: _Optional[bool] = ...) -> None: ...
+    draft_forward_s: float
+    def __init__(self, p_draft: _Optional[_Iterable[float]] = ..., q_draft: _Optional[_Iterable[float]] = ..., residual_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., dense_p: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., mass_above: _Optional[_Iterable[float]] = ..., p_at: _Optional[_Iterable[float]] = ..., forward_s: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., wide: _Optional[bool] = ..., draft_forward_s: _Optional[float] = ...) -> None: ...
