@@ -21,7 +21,11 @@ pairs taken minutes apart share most of it.
 each side's draft and target pinned as in ``make bench``, and each side's
 requests through an orchestrator of its own checkout whose every hop, the
 draft's relays included, passes the delay proxy with that added round trip.
-``--set``: service settings for both sides (``orchestrator.pipeline=true``).
+``--set``: service settings for both sides (``orchestrator.pipeline=true``);
+``--set-now``: for this build's side only, after ``--set`` (without REV, an A/B
+of a setting: ``--set orchestrator.paced=false --set-now orchestrator.paced=true``).
+The report also gives each side's overhead a step (issue 15's: a step's wall
+time beyond its draft's and target's forward passes, ``run.overhead_ms``).
 Writes results.json and results.md to the output folder.
 """
 
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     configs = {name: CONFIGS[name] for name in args.configs}
     stacks = {}
     settings = service_settings(args.set)
+    now_settings = service_settings([*args.set, *args.set_now])
     proxies = ProxyGroup()
     with tempfile.TemporaryDirectory(prefix="specdec-against-") as tmp:
         old = _worktree(args.rev, Path(tmp)) if args.rev else None
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
             for side, repo in order[::-1] if args.now_first else order:
                 stacks[side] = start_services(
                     out / side, args.draft, args.target, threads=1, draft_threads=1,
-                    settings=settings, repo=repo,
+                    settings=now_settings if side == "now" else settings, repo=repo,
                 )  # fmt: skip
             addresses = {side: stacks[side].address("orchestrator") for side in SIDES}
             if args.rtt_ms is not None:
@@ -145,15 +150,19 @@ def run(args: argparse.Namespace) -> dict:
             "now_tok_s": now["tok_s"],
             "ratios": [n / b for b, n in zip(before["tok_s_runs"], now["tok_s_runs"], strict=True)],
             "ratio_median": paired(now["tok_s_runs"], before["tok_s_runs"]),
+            # issue 15's overhead: a step's wall time beyond its forward passes
+            "before_overhead_ms": before["ms_per_step"]["overhead"],
+            "now_overhead_ms": now["ms_per_step"]["overhead"],
         }
     return {
         "machine": info,
-        "against": args.rev or "itself (A/A)",
+        "against": args.rev or ("itself, settings A/B" if args.set_now else "itself (A/A)"),
         "rounds": args.rounds,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "rtt_ms": args.rtt_ms,
         "settings": args.set,
+        "settings_now": args.set_now,
         "seconds": time.time() - start,
         "rows": rows,
     }
@@ -171,17 +180,26 @@ def report(result: dict) -> str:
             if result.get("rtt_ms") is not None
             else " Shared cores, no added round trip."
         )
-        + (f" Settings: `{' '.join(result['settings'])}`." if result.get("settings") else ""),
+        + (f" Settings: `{' '.join(result['settings'])}`." if result.get("settings") else "")
+        + (
+            f" This build's side only: `{' '.join(result['settings_now'])}`."
+            if result.get("settings_now")
+            else ""
+        ),
     )
     lines += [
-        "| configuration | before, tok/s | now, tok/s | now / before, by round | median |",
-        "| --- | --- | --- | --- | --- |",
+        "| configuration | before, tok/s | now, tok/s | now / before, by round | median "
+        "| overhead, ms a step: before, now |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in result["rows"].items():
+        over = ""
+        if "now_overhead_ms" in row:
+            over = f"{row['before_overhead_ms']:.2f}, {row['now_overhead_ms']:.2f}"
         lines.append(
             f"| {name} | {row['before_tok_s']:.1f} | {row['now_tok_s']:.1f} | "
             + ", ".join(f"{x:.2f}" for x in row["ratios"])
-            + f" | {row['ratio_median']:.2f} |"
+            + f" | {row['ratio_median']:.2f} | {over} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -195,6 +213,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     ap.add_argument("--rtt-ms", type=float, help="as separate machines, this round trip added")
     ap.add_argument("--set", nargs="*", default=[], help="section.key=value, both sides")
+    ap.add_argument(
+        "--set-now", nargs="*", default=[], help="section.key=value, this build's side only"
+    )
     ap.add_argument(
         "--now-first", action="store_true", help="start this build's side first (see --rtt-ms)"
     )

@@ -164,25 +164,30 @@ def test_delay_proxy_forwards_and_delays():
 def test_against_compares_with_an_older_checkout_as_separate_machines(tmp_path, llama_pair):
     """``benchmarks.against REV --rtt-ms``: REV's services from a git worktree beside
     this build's, each side pinned, its own orchestrator behind delay proxies, with the
-    settings ``--set`` gives, requests alternating; the worktree is gone afterwards.
-    (One run for both: each stack costs seconds to start.)"""
+    settings ``--set`` gives (and ``--set-now``, this build's side only), requests
+    alternating; the worktree is gone afterwards. (One run for both: each stack costs
+    seconds to start.)"""
     draft, target = llama_pair
     before = subprocess.run(
         ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     run_benchmark(
         "benchmarks.against", "HEAD", "--rtt-ms", "2", "--set", "orchestrator.pipeline=true",
-        "orchestrator.pipeline_min_rtt_ms=0", "--rounds", "2", "--prompts", "1",
+        "orchestrator.pipeline_min_rtt_ms=0", "--set-now", "orchestrator.paced=false",
+        "--rounds", "2", "--prompts", "1",
         "--max-new-tokens", "6", "--configs", "ovl4@0", "plain@1-p0.9",
         "--draft", str(draft), "--target", str(target), "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["against"] == "HEAD" and list(result["rows"]) == ["ovl4@0", "plain@1-p0.9"]
     assert result["rtt_ms"] == 2 and "orchestrator.pipeline=true" in result["settings"]
+    assert result["settings_now"] == ["orchestrator.paced=false"]
     for row in result["rows"].values():
         assert len(row["ratios"]) == 2 and row["before_tok_s"] > 0 and row["now_tok_s"] > 0
+        assert row["now_overhead_ms"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "| ovl4@0 |" in md and "+2 ms round trip on every hop" in md
+    assert "This build's side only: `orchestrator.paced=false`" in md
     after = subprocess.run(
         ["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
