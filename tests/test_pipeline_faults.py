@@ -214,3 +214,38 @@ def test_sigterm_mid_pipeline_finishes_the_request_and_exits_promptly(stack, ref
     assert stack.proc(role).wait(30) == 0
     assert time.monotonic() - ended < 5.0, role
     no_sessions(stack, roles=[r for r in ("draft", "target") if r != role])
+
+
+def test_draft_killed_and_stopped_mid_paced_request(tmp_path, llama_pair):
+    """Paced steps (``orchestrator.paced``, on by default): a lone sequential request
+    whose draft is killed, and then one whose draft stops answering, mid-request,
+    each end with the no-fault output in bounded time (the stranded block's relay
+    given up after ``relay_timeout_s``, the draft's calls to fallback steps), and
+    no session is left behind."""
+    with local_stack(
+        tmp_path,
+        *llama_pair,
+        orchestrator__draft_retry_after_s=0.5,
+        orchestrator__draft_retry_max_s=1.0,
+        orchestrator__relay_timeout_s=RELAY_TIMEOUT_S,
+        orchestrator__draft_timeout_s=DRAFT_TIMEOUT_S,
+    ) as stack:
+        reference = run_to_end(greedy(stack, overlap=False))
+        assert reference.error is None and len(reference.ids) == LONG
+        for sig in (signal.SIGKILL, signal.SIGSTOP):
+            for _ in whole(stack):
+                fresh = _blocks(stack, "fresh")
+                s = greedy(stack, overlap=False)
+                s.start()
+                assert s.first_chunk.wait(60)
+                wait_until(lambda f=fresh: _blocks(stack, "fresh") > f, what="a paced block")
+                stack.signal("draft", sig)
+                hit = time.monotonic()
+                s.join(60)
+                took = time.monotonic() - hit
+                assert not s.is_alive(), f"the request hung behind a draft hit by {sig}"
+                assert s.error is None, s.error
+                assert s.ids == reference.ids and s.stats.fallback_steps > 0
+                assert took < RELAY_TIMEOUT_S + DRAFT_TIMEOUT_S + 8, (sig, took)
+                print(sig.name, f"{took:.2f} s after the fault")
+                no_sessions(stack, roles=("target",))
