@@ -623,9 +623,10 @@ class CostModel:
         alpha^gamma) emits no bonus token: the next block's first draft is tested at
         that position instead (``orchestrator.step.settle``); with ``match`` (greedy)
         it keeps the bonus. ``pipelined``: a step of a pipeline (``step_cost``), which
-        chains the same way."""
+        chains the same way when it drafts ahead (a paced one, without ``overlap``,
+        never chains)."""
         tokens = expected_tokens_per_step(alpha, gamma) if gamma else float(run)
-        if gamma and (overlap or pipelined) and not match:
+        if gamma and overlap and not match:
             tokens -= alpha**gamma
         cost = self.step_cost(
             gamma, alpha, overlap, run=run, match=match, pipelined=pipelined, wide=wide

@@ -549,6 +549,26 @@ def test_a_pipelined_step_waits_for_the_draft_only_when_its_block_was_not_relaye
     )
 
 
+def test_a_paced_step_pays_the_draft_round_trip_not_the_orchestrators():
+    """A paced step (``orchestrator.paced``: a sequential step the draft paces) costs its
+    verify, a round trip to the draft and the drafting, never the target's round trip
+    to the orchestrator nor a lead of a block drafted on; it keeps its bonus (nothing
+    chains), is calibrated as its own kind, and the policy prices sequential steps
+    with it when a step would start one."""
+    m = model(rtt=0.010)
+    paced = m.verify_cost(4, 0.5) + m.rtt_draft_s.value + m.draft_cost(4)
+    got = m.step_cost(4, 0.8, False, calibrated=False, pipelined=True, wide=0.5)
+    assert got == pytest.approx(paced)
+    assert got < m.step_cost(4, 0.8, False, calibrated=False, wide=0.5)  # an asked step's
+    assert m.rate(4, 0.8, False, pipelined=True) == pytest.approx(
+        expected_tokens_per_step(0.8, 4) / m.step_cost(4, 0.8, False, pipelined=True)
+    )
+    g, overlap = m.choose(0.8, 16, False, paced=True)
+    assert not overlap and m.rate(g, 0.8, False, pipelined=True) > m.rate(g, 0.8, False)
+    m.observe_step(4, False, 0.8, 2 * paced, pipelined=True, wide=True)
+    assert m.calibration("paced") > 1.0 and m.calibration("sequential") == 1.0
+
+
 def test_at_a_long_round_trip_a_pipeline_beats_the_plain_runs_that_steps_it_asks_for_lose_to():
     """At 10 ms a round trip, plain runs of 8 beat a fair draft's steps that pay the
     round trip each (``test_plain_runs_pay_the_round_trip_once``); priced as a
