@@ -131,18 +131,26 @@ def piped(tmp_path_factory, llama_pair):
         yield stack
 
 
-def test_greedy_equals_generate_pipelined(piped, llama_pair):
-    draft, target = llama_pair
+def _greedy_equals_generate(stack, llama_pair, overlap: bool) -> None:
+    """Greedy output equals ``generate()``'s for gamma 1-5, drafting ahead or not."""
+    _, target = llama_pair
     ids = load_tokenizer(str(target)).encode("we shall pipeline")
     want = _reference(target, ids, 40)
-    followers = _blocks(piped, "follower")
     for gamma in (1, 2, 3, 5):
-        got, _, stats = piped.generate_raw(
-            prompt=ids, max_new_tokens=40, temperature=0.0, gamma=gamma, overlap=True
+        got, _, stats = stack.generate_raw(
+            prompt=ids, max_new_tokens=40, temperature=0.0, gamma=gamma, overlap=overlap
         )
         assert got == want, gamma
+        if not overlap:  # paced: nothing drafted ahead, and the draft's forwards of the
+            assert stats.overlapped_steps == 0  # blocks nobody asked for reach the stats
+            assert stats.draft_forward_s > 0
+    wait_for_zero_sessions(stack)
+
+
+def test_greedy_equals_generate_pipelined(piped, llama_pair):
+    followers = _blocks(piped, "follower")
+    _greedy_equals_generate(piped, llama_pair, overlap=True)
     assert _blocks(piped, "follower") > followers
-    wait_for_zero_sessions(piped)
 
 
 def test_pipelined_steps_feed_the_adaptive_cost_model(piped, llama_pair):
@@ -321,21 +329,10 @@ def paced(tmp_path_factory, llama_pair):
 def test_greedy_equals_generate_paced(paced, llama_pair):
     """Sequential steps are paced by the draft: after each verdict it drafts and relays
     the next block itself, a block accepted in full included (no follower exists)."""
-    _, target = llama_pair
-    ids = load_tokenizer(str(target)).encode("we shall pace it")
-    want = _reference(target, ids, 40)
     fresh = _blocks(paced, "fresh")
-    for gamma in (1, 2, 3, 5):
-        got, _, stats = paced.generate_raw(
-            prompt=ids, max_new_tokens=40, temperature=0.0, gamma=gamma, overlap=False
-        )
-        assert got == want, gamma
-        assert stats.overlapped_steps == 0
-        # the draft's forwards of the blocks nobody asked for reach the statistics
-        assert stats.draft_forward_s > 0
+    _greedy_equals_generate(paced, llama_pair, overlap=False)
     assert _blocks(paced, "fresh") > fresh + 10
     assert _blocks(paced, "follower") == 0 and _guesses_used(paced) == 0
-    wait_for_zero_sessions(paced)
 
 
 def test_paced_with_every_draft_accepted(tmp_path, llama_pair):
