@@ -20,6 +20,10 @@ steps of the configuration's usual shape (the most common sequence of marks:
 full-length drafts, relayed or not), so that the medians add up to a typical
 step; and the draft's forward time by position in the step.
 
+The stack runs with ``orchestrator.paced`` off (``ASKED``): the steps read here
+are those the orchestrator asks for; paced steps (the default for a lone
+request's sequential steps) are ``benchmarks.pipeline_timeline``'s.
+
 Segment medians are steadier than tokens/s on a busy machine: a step is about
 twenty segments, each measured hundreds of times.
 Writes results.json, results.md and timeline.png to the output folder.
@@ -49,6 +53,11 @@ from .common import (
 )
 from .plain_runs import side_by_side_header
 from .run import pin_stack, spec_configs
+
+# The steps this timeline reads are asked for by the orchestrator: a lone request's
+# sequential steps are otherwise paced by the draft (``orchestrator.paced``), which
+# ``benchmarks.pipeline_timeline`` reads. ``--set orchestrator.paced=true`` overrides.
+ASKED = ["orchestrator.paced=false"]
 
 # make bench's configurations by name (<mode><gamma>@<temperature>): plain and
 # sequential. Adaptive is left out: each request here is seeded, which fixes gamma.
@@ -187,7 +196,9 @@ def run(args) -> dict:
             args.target,
             threads=1,
             draft_threads=1,
-            settings=service_settings(args.set),
+            # Steps the orchestrator asks for (``ASKED``): paced ones have no propose,
+            # and their marks are ``benchmarks.pipeline_timeline``'s to read.
+            settings=service_settings([*ASKED, *args.set]),
         )
     finally:
         del os.environ[tracing.ENV]
