@@ -50,12 +50,13 @@ from orchestrator.step import (
     GUESS,
     Cursor,
     ahead,
+    paced_draws,
     pipeline_draws,
     pipeline_gamma,
     settle,
 )
 from specdec import metrics, tracing
-from specdec.rng import Philox, seeds
+from specdec.rng import Philox
 from specdec.runtime.ragged import SessionKV
 from specdec.sampling import Verdict
 from specdec.sessions import Session
@@ -135,8 +136,8 @@ class Pipeline:
         still wanted before it."""
         drafts = list(proposal.tokens)
         if self.stream is not None:
-            _, seed, self.next_draft_seed = seeds(self.stream, 3)
-            u = self.stream.random(self.gamma)[: len(drafts)]
+            seed, self.next_draft_seed, u = paced_draws(self.stream, self.gamma)
+            u = u[: len(drafts)]
         else:
             _, seed, u = pipeline_draws(self.key, 0, FRESH, len(drafts))
         block = Block(0, FRESH, drafts, cursor, left, seed, u)
@@ -280,8 +281,7 @@ class Pipeline:
             return
         if self.stream is not None:  # paced: the caller's asked step's draws
             draft_seed = self.next_draft_seed
-            _, seed, self.next_draft_seed = seeds(self.stream, 3)
-            u = self.stream.random(g)
+            seed, self.next_draft_seed, u = paced_draws(self.stream, g)
         else:
             draft_seed, seed, u = pipeline_draws(self.key, b.index + 1, FRESH, g)
         proposal = await self._draft(outcome.draft, g, draft_seed)

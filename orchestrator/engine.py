@@ -55,6 +55,7 @@ from .step import (
     GUESS,
     Cursor,
     ahead,
+    paced_draws,
     pipeline_draws,
     pipeline_gamma,
     settle,
@@ -790,8 +791,8 @@ class Generation:
         if not pipe.depth:  # paced: the draws an asked step makes, in the same order
             if index:
                 g = pipeline_gamma(remaining, pipe.gamma)
-                _, pipe.seed, self.next_draft_seed = seeds(self.rng, 3)
-                pipe.u = tuple(self.rng.random(g))
+                pipe.seed, self.next_draft_seed, u = paced_draws(self.rng, g)
+                pipe.u = tuple(u)
             expected = {pipe.seed: FRESH}
         else:
             expected = {pipeline_draws(pipe.key, index, k, 0)[1]: k for k in pipe.kinds}

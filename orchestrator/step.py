@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec.config import MAX_GAMMA
-from specdec.rng import Philox
+from specdec.rng import Philox, seeds
 from specdec.sampling import Verdict, accepted_count, step_tokens
 
 
@@ -150,6 +150,16 @@ def pipeline_draws(key: int, index: int, kind: int, n: int) -> tuple[int, int, l
     on these draws."""
     rng = Philox(key, jumps=2 + 3 * index + int(kind))
     return rng.next64(), rng.next64(), rng.random(n)
+
+
+def paced_draws(rng: Philox, n: int) -> tuple[int, int, list[float]]:
+    """A paced step's draws from the request's own stream (``orchestrator.paced``), in
+    the order an asked step (``Generation.step``) draws them: a seed it does not use
+    (an asked step's block drafted ahead), the verify's seed, the next step's draft
+    seed, then the n uniforms of its acceptance test. The orchestrator and the draft
+    each draw these from their copy of the stream, so they agree without a message."""
+    _, seed, next_draft_seed = seeds(rng, 3)
+    return seed, next_draft_seed, rng.random(n)
 
 
 def pipeline_gamma(left: int, gamma: int, match: bool = False) -> int:
