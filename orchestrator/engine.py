@@ -798,7 +798,14 @@ class Generation:
             expected = {pipeline_draws(pipe.key, index, k, 0)[1]: k for k in pipe.kinds}
         seed = fallback_seed(next(iter(expected)))  # (a plain step's, if the pipeline is lost)
         try:
-            verdict = await self.target.verify(None, seed, False, pipe.pit, follow=(*expected,))
+            verdict = await self.target.verify(
+                None,
+                seed,
+                False,
+                pipe.pit,
+                follow=(*expected,),
+                draft_ended=self.draft.ended() if self.draft is not None else None,
+            )
         except BaseException:
             self.stop_pipeline()
             raise

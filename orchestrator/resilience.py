@@ -172,6 +172,11 @@ class DraftLink(_Link):
             self.counter,
         )
 
+    def ended(self) -> asyncio.Future | None:
+        """Done once this request's draft session ended on its own
+        (``DraftSession.ended``: the draft died, say); None without a session."""
+        return self.session.ended() if self.session is not None else None
+
     async def prefill(self) -> None:
         """Open a session ahead of the first drafting step (failures only mean no
         speculation yet)."""
@@ -389,13 +394,18 @@ class TargetLink(_Link):
         run: int = 1,
         follow: tuple[int, ...] = (),
         draft_idle: bool = False,
+        draft_ended: asyncio.Future | None = None,
     ) -> Verdict:
         """The verdict on ``proposal`` from ``self.cursor`` (or a plain run of ``run``
         tokens), riding out restarts. A relayed proposal's q went to the target
         only: if that target fails before its verdict, the step decodes plain on the
         session that replaces it (``Verdict.drafts_dropped``). ``follow``: a
         pipeline's next verdict (``TargetSession.verify``), relayed in the same way.
-        ``draft_idle``: no draft works meanwhile (``Verify.draft_idle``)."""
+        ``draft_idle``: no draft works meanwhile (``Verify.draft_idle``).
+        ``draft_ended``: the session of the draft that paces the pipeline ended
+        (``DraftLink.ended``): if it is done and no verdict came within
+        ``DRAFT_ENDED_GRACE_S`` after, nothing more will come, so the step decodes
+        plain at once rather than after ``relay_timeout_s``."""
         retry_until = time.monotonic() + self.retry_s
         delay = 0.05
         dropped = False
@@ -409,7 +419,7 @@ class TargetLink(_Link):
                 timeout = self.budget.left(self.budget.target_timeout_s)
                 if relayed:
                     timeout = min(timeout, self.relay_timeout_s)
-                verdict = await self.session.verify(
+                verify = self.session.verify(
                     self.cursor,
                     proposal,
                     seed,
@@ -420,6 +430,10 @@ class TargetLink(_Link):
                     follow,
                     draft_idle=draft_idle,
                 )
+                if follow and draft_ended is not None:
+                    verdict = await _unless_ended(verify, draft_ended, DRAFT_ENDED_GRACE_S)
+                else:
+                    verdict = await verify
                 self._success()
                 verdict.drafts_dropped = dropped
                 return verdict
@@ -437,6 +451,19 @@ class TargetLink(_Link):
                     raise
                 if opening:
                     self._fail_over(outage=False)
+            except _DraftEnded:
+                # No block will come: its draft's session ended (the draft died, say).
+                # The cancelled wait ended this target session too: the plain step
+                # below runs on a new one.
+                log.warning(
+                    "request %s: the draft pacing its steps ended its session; the step "
+                    "decodes plain",
+                    self.session_id,
+                )
+                self.drop_session()
+                proposal, run, dropped, follow = None, 1, True, ()
+                metrics.labelled(metrics.RELAYED_STEPS, "lost").inc()
+                continue
             except DeadlineExceeded as e:
                 if self.budget.passed(_DEADLINE_SLACK_S):
                     raise
@@ -510,6 +537,36 @@ class TargetLink(_Link):
             # The next verify opens the session again, prefilled from the history (so
             # nothing is left to trim) and riding out the restart as any call does.
             self.drop_session()
+
+
+# After a pacing draft's session ends, how long a verdict may still come (a block it
+# relayed before it ended, in its verify): about a large model's pass, not a timeout.
+DRAFT_ENDED_GRACE_S = 0.5
+
+
+class _DraftEnded(Exception):
+    """A pipeline's verdict will not come: the draft pacing it ended its session."""
+
+
+async def _unless_ended(call, ended: asyncio.Future, grace_s: float):
+    """``call``'s result, or ``_DraftEnded`` (``call`` cancelled) when ``ended`` is
+    done and ``call`` is not ``grace_s`` after. ``ended`` is never cancelled here."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((task, ended), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            await asyncio.wait((task,), timeout=grace_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, SpecdecError):
+        pass
+    raise _DraftEnded
 
 
 def _reason(e: SpecdecError) -> str:

@@ -216,18 +216,24 @@ def test_sigterm_mid_pipeline_finishes_the_request_and_exits_promptly(stack, ref
     no_sessions(stack, roles=[r for r in ("draft", "target") if r != role])
 
 
+PACED_RELAY_TIMEOUT_S = 4.0
+
+
 def test_draft_killed_and_stopped_mid_paced_request(tmp_path, llama_pair):
     """Paced steps (``orchestrator.paced``, on by default): a lone sequential request
     whose draft is killed, and then one whose draft stops answering, mid-request,
-    each end with the no-fault output in bounded time (the stranded block's relay
-    given up after ``relay_timeout_s``, the draft's calls to fallback steps), and
-    no session is left behind."""
+    each end with the no-fault output in bounded time, and no session is left
+    behind. A killed draft's session stream ends at once, and the orchestrator
+    stops waiting for the block it would have relayed then
+    (``TargetLink.verify``'s ``draft_ended``), well before ``relay_timeout_s``; a
+    stopped one keeps its connection open, so the stranded block's relay is given
+    up after ``relay_timeout_s``, and the draft's calls go to fallback steps."""
     with local_stack(
         tmp_path,
         *llama_pair,
         orchestrator__draft_retry_after_s=0.5,
         orchestrator__draft_retry_max_s=1.0,
-        orchestrator__relay_timeout_s=RELAY_TIMEOUT_S,
+        orchestrator__relay_timeout_s=PACED_RELAY_TIMEOUT_S,
         orchestrator__draft_timeout_s=DRAFT_TIMEOUT_S,
     ) as stack:
         reference = run_to_end(greedy(stack, overlap=False))
@@ -246,6 +252,8 @@ def test_draft_killed_and_stopped_mid_paced_request(tmp_path, llama_pair):
                 assert not s.is_alive(), f"the request hung behind a draft hit by {sig}"
                 assert s.error is None, s.error
                 assert s.ids == reference.ids and s.stats.fallback_steps > 0
-                assert took < RELAY_TIMEOUT_S + DRAFT_TIMEOUT_S + 8, (sig, took)
+                if sig == signal.SIGKILL:  # seen as the stream ended, not by a timeout
+                    assert took < PACED_RELAY_TIMEOUT_S, took
+                assert took < PACED_RELAY_TIMEOUT_S + DRAFT_TIMEOUT_S + 8, (sig, took)
                 print(sig.name, f"{took:.2f} s after the fault")
                 no_sessions(stack, roles=("target",))

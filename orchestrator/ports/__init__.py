@@ -14,6 +14,7 @@ Resilience (breakers, re-prefill, failover, fallback) wraps sessions in
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -98,6 +99,12 @@ class DraftSession(Protocol):
         ...
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
+
+    def ended(self) -> asyncio.Future | None:
+        """Done once the session has ended on its own (the service died, or dropped
+        it): a pipeline it paces sends nothing more. None where a session cannot end
+        so (in one process)."""
+        ...
 
     async def close(self) -> None: ...
 

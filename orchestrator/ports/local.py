@@ -57,6 +57,9 @@ class LocalDraftSession:
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:
         return self.svc.rollback(self.session, cache_len)
 
+    def ended(self) -> None:  # (in one process a session ends only when closed)
+        return None
+
     async def close(self) -> None:
         self.svc.close(self.session)
 
@@ -116,6 +119,9 @@ class LocalTargetSession:
 
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:
         return self.svc.rollback(self.session, cache_len)
+
+    def ended(self) -> None:  # (in one process a session ends only when closed)
+        return None
 
     async def close(self) -> None:
         self.svc.close(self.session)

@@ -71,6 +71,21 @@ class _Stream:
 class RemoteDraftSession:
     def __init__(self, stream: _Stream) -> None:
         self.stream = stream
+        self._ended: asyncio.Future | None = None
+
+    def ended(self) -> asyncio.Future:
+        """Done when the session's stream ends, whoever ends it: the draft died or
+        dropped the session, or the connection broke (grpc ends the call at once;
+        a draft that hangs with its connection open is seen only by timeouts)."""
+        if self._ended is None:
+            ended = self._ended = asyncio.get_running_loop().create_future()
+
+            def done(_call) -> None:
+                if not ended.done():
+                    ended.set_result(None)
+
+            self.stream.call.add_done_callback(done)
+        return self._ended
 
     async def propose(
         self,
