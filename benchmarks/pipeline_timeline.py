@@ -28,14 +28,25 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from specdec import tracing
 
-from .common import PROMPTS, Client, finish, machine_info, service_settings
+from .common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPTS,
+    Client,
+    finish,
+    machine_info,
+    service_settings,
+    start_services,
+)
 from .plain_runs import side_by_side_header
 from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
 from .timeline import Mark, fresh_trace_dir, read_marks
@@ -46,7 +57,6 @@ FRESH_PATH = (
     "draft:pipeline-echo",
     "draft:pipeline-settle",
     "draft:pipeline-drafted",
-    "draft:pipeline-relayed",
     "target:relay",
     "target:chain-fresh",
     "target:forward",
@@ -170,23 +180,41 @@ def analyse(marks: list[Mark], spans: list[tuple[float, float]]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _shared_services(out: Path, settings: dict[str, dict]) -> Iterator[tuple]:
+    """As ``proxied_services`` yields them, with no proxies and nothing pinned: every
+    process on both cores, every hop direct (as the head-to-head section's services)."""
+    stack = start_services(
+        out, str(DEFAULT_DRAFT), str(DEFAULT_TARGET), threads=1, draft_threads=1, settings=settings
+    )
+    try:
+        yield stack, None, stack.address("draft"), stack.address("target")
+    finally:
+        stack.stop()
+
+
 def run(args) -> dict:
     out = Path(args.out)
     trace_dir = fresh_trace_dir(out)
     info = machine_info("cpu")
-    fields: dict = {"gamma": args.gamma, "overlap": True} if args.gamma else {"gamma": None}
+    overlap = not args.paced
+    fields: dict = {"gamma": args.gamma, "overlap": overlap} if args.gamma else {"gamma": None}
     fields["temperature"] = args.temperature
     prompts = PROMPTS[: args.prompts]
     spans, tokens = [], 0.0
     os.environ[tracing.ENV] = str(trace_dir)
     try:
-        with proxied_services(out, service_settings(args.set)) as (stack, proxies, pd, pt):
+        services = _shared_services if args.shared else proxied_services
+        with services(out, service_settings(args.set)) as (stack, proxies, pd, pt):
             sets = {"orchestrator.pipeline": "true", "orchestrator.pipeline_min_rtt_ms": "0"}
+            if args.paced:  # sequential steps the draft paces: pipelines of depth 0
+                sets = {"orchestrator.pipeline": "false", "orchestrator.paced": "true"}
             address, _ = stack.start_orchestrator("orchestrator-piped", pd, pt, sets)
             del os.environ[tracing.ENV]
-            pin_stack(stack)
-            stack.pin_extra(DRAFT_CORE, FRONT_NICE)
-            proxies.set_rtt_ms(args.rtt_ms)
+            if proxies is not None:
+                pin_stack(stack)
+                stack.pin_extra(DRAFT_CORE, FRONT_NICE)
+                proxies.set_rtt_ms(args.rtt_ms)
             client = Client(address)
             try:
                 _run_prompts(client, prompts[:1], 16, fields, 0)  # warm up
@@ -217,9 +245,13 @@ def report(result: dict) -> str:
     lines = side_by_side_header(
         "Pipelined requests: where the target's time goes",
         result["machine"],
-        f"+{a['rtt_ms']:g} ms round trip on every hop, T={a['temperature']:g}, {mode}, "
-        f"{a['rounds']} rounds of {a['prompts']} prompts x {a['max_new_tokens']} tokens, "
-        "pinned as in `make bench`."
+        (
+            "every process on both cores, every hop direct"
+            if a.get("shared")
+            else f"+{a['rtt_ms']:g} ms round trip on every hop, pinned as in `make bench`"
+        )
+        + f", T={a['temperature']:g}, {mode}{', paced' if a.get('paced') else ''}, "
+        f"{a['rounds']} rounds of {a['prompts']} prompts x {a['max_new_tokens']} tokens."
         + (f" Settings: `{' '.join(a['set'])}`." if a.get("set") else ""),
     )
     lines += [
@@ -258,6 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=10.0)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--gamma", type=int, default=4, help="0: adaptive requests")
+    ap.add_argument(
+        "--paced",
+        action="store_true",
+        help="sequential steps the draft paces (orchestrator.paced) instead of pipelines "
+        "that draft ahead",
+    )
+    ap.add_argument(
+        "--shared",
+        action="store_true",
+        help="every process on both cores, every hop direct (no proxies: --rtt-ms is ignored)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="per round, one after the other")
     ap.add_argument("--max-new-tokens", type=int, default=64)
