@@ -51,6 +51,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchestrator.step import Cursor, settle
 from orchestrator.step import ahead as ahead_cursor
@@ -142,8 +143,9 @@ class DraftState:
     # By the ask (cache_len, feed) that would take them: blocks for rejections.
     guesses: dict[tuple[int, tuple[int, ...]], Guess] = field(default_factory=dict)
     # A pipeline pacing the session's steps (``draft_service.pipeline``): stopped by
-    # the caller's next call on the session.
+    # the caller's next call on the session (but a retune); ``piped``: its object.
     pipeline: asyncio.Task | None = None
+    piped: Any = None
 
 
 class Drafter(ModelService):
@@ -499,6 +501,7 @@ class Drafter(ModelService):
         steps; its first block is the last propose's, already relayed."""
         state: DraftState = session.extra
         state.last = state.asked = state.moot = None  # the pipeline moves the cache on
+        state.piped = pipeline
         state.pipeline = asyncio.ensure_future(pipeline.run())
         state.pipeline.add_done_callback(_consume)
         metrics.labelled(metrics.PIPELINE_BLOCKS, "first").inc()
@@ -506,10 +509,19 @@ class Drafter(ModelService):
     async def stop_pipeline(self, session: Session) -> None:
         """Stop the session's pipeline, if any, after its current forward."""
         state: DraftState = session.extra
-        task, state.pipeline = state.pipeline, None
+        task, state.pipeline, state.piped = state.pipeline, None, None
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
+
+    def retune_pipeline(self, session: Session, gamma: int) -> int:
+        """The running paced pipeline's blocks have ``gamma`` drafts from the next one
+        it decides on; returns that block's index (0: no paced pipeline runs, nothing
+        changed). The pipeline goes on."""
+        state: DraftState = session.extra
+        if state.piped is None or state.pipeline is None or state.pipeline.done():
+            return 0
+        return state.piped.retune(gamma)
 
     async def rollback_draft(self, session: Session, cache_len: int) -> int:
         """``rollback``, after the session's head start (discarded)."""

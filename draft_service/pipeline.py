@@ -125,6 +125,9 @@ class Pipeline:
         # first block's), as the caller's asked steps draw them (``Generation.step``).
         self.stream = Philox.at(*stream) if stream is not None and depth == 0 else None
         self.next_draft_seed = 0
+        # Paced: the index of the next block whose gamma is not decided yet (a
+        # retune applies from it: ``retune``).
+        self.next_block = 1
         self.match = session.params.greedy  # greedy followers keep the bonus
         self.chain: list[Block] = []  # [0]: the block whose verdict comes next
         self.target_cursor: Cursor | None = None  # the one chain[0] runs from
@@ -144,6 +147,16 @@ class Pipeline:
         block.alternates = proposal.alternates
         self.chain, self.target_cursor = [block], target_cursor
         return block
+
+    def retune(self, gamma: int) -> int:
+        """A paced pipeline's caller chose ``gamma`` (an adaptive request): the blocks
+        from ``next_block`` on have it; returns that index (0: not paced, unchanged).
+        The caller learns the index from the reply, so that both draw a block's
+        uniforms for the same number of drafts."""
+        if self.depth:
+            return 0
+        self.gamma = gamma
+        return self.next_block
 
     async def run(self) -> None:
         """Draft ahead, settle each verdict, until no more tokens are wanted."""
@@ -277,6 +290,7 @@ class Pipeline:
             metrics.labelled(metrics.DRAFT_GUESSES, "unused").inc()
         self.chain = []
         g = pipeline_gamma(left, self.gamma)
+        self.next_block = b.index + 2  # (block b.index + 1 has its gamma now)
         if not g:
             return
         if self.stream is not None:  # paced: the caller's asked step's draws

@@ -143,7 +143,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return draft_pb2.DraftReply(
                 rolled_back=common_pb2.RolledBack(cache_len=session.length, removed=removed)
             )
-        raise InvalidArgument("kind", "a draft session takes open, propose or rollback")
+        if kind == "retune":
+            g = m.retune.gamma
+            require(1 <= g <= MAX_GAMMA, "retune.gamma", f"must be in [1, {MAX_GAMMA}], got {g}")
+            from_block = self.svc.retune_pipeline(session, g)
+            return draft_pb2.DraftReply(retuned=draft_pb2.Retuned(from_block=from_block))
+        raise InvalidArgument("kind", "a draft session takes open, propose, rollback or retune")
 
     def _draft_on(self, session, p: draft_pb2.Propose, drafts) -> Callable[[Any], None]:
         """What to do with this proposal's echoed verdict: draft on (``DraftOn``)."""

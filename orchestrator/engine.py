@@ -122,6 +122,9 @@ class Piped:
     index: int = 0
     kinds: tuple[int, ...] = (FRESH,)
     matched: Cursor | None = None
+    # Paced, adaptive: a retune in flight or not yet reached (``Generation.retune``):
+    # the draft's answer (the block it applies from) and the gamma asked for.
+    retune: tuple[asyncio.Task, int] | None = None
 
 
 class Orchestrator:
@@ -790,7 +793,11 @@ class Generation:
         index = pipe.index
         if not pipe.depth:  # paced: the draws an asked step makes, in the same order
             if index:
-                g = pipeline_gamma(remaining, pipe.gamma)
+                gamma = await self.paced_gamma(pipe, index)
+                if gamma is None:  # a retune failed: the draft's gamma is not known
+                    self.stop_pipeline()
+                    return await self.step()
+                g = pipeline_gamma(remaining, gamma)
                 pipe.seed, self.next_draft_seed, u = paced_draws(self.rng, g)
                 pipe.u = tuple(u)
             expected = {pipe.seed: FRESH}
@@ -857,6 +864,8 @@ class Generation:
                 metrics.labelled(metrics.OVERLAPPED_STEPS, "used").inc()
             if not pipeline_gamma(left, pipe.gamma):  # the pipeline drafts no more
                 self.pipe = None
+            elif not pipe.depth:
+                self.retune(pipe, left)
         t2 = time.perf_counter()
         self.observe(None, verdict, 0.0, t1 - t0, relayed=True)
         if index and kind == FRESH:  # drafted after the verdict before it: on the path
@@ -876,6 +885,41 @@ class Generation:
         self.record_step(len(drafts), outcome.accepted, 0.0, t1 - t0, 0.0, t2 - t0)
         tracing.mark("settled")
         return outcome.tokens
+
+    def retune(self, pipe: Piped, left: int) -> None:
+        """An adaptive request's choice after a paced step's verdict, as its next asked
+        step would make it (``left`` tokens still wanted): a gamma other than the
+        pipeline's is sent to the draft (``DraftLink.retune``), which drafts with it
+        from its next undecided block on (the block after this verdict is drafted
+        already, as its echo came). One retune at a time; a choice of plain decoding
+        or of drafting ahead leaves the pipeline as it is."""
+        if self.policy.gamma is not None or pipe.retune is not None or self.draft is None:
+            return
+        gamma, overlap = self.policy.choose(left - 1, self.plain_run(left))
+        if gamma and not overlap and gamma != pipe.gamma:
+            pipe.retune = (self.draft.retune(gamma), gamma)
+            metrics.PIPELINE_RETUNES.inc()
+
+    async def paced_gamma(self, pipe: Piped, index: int) -> int | None:
+        """The gamma the draft drafted the paced pipeline's block ``index`` with: the
+        pipeline's, or a retune's from the block the draft said it applies from
+        (waiting for its answer, which comes at once). None: a retune failed."""
+        if pipe.retune is None:
+            return pipe.gamma
+        task, gamma = pipe.retune
+        try:
+            start = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                return None
+            raise
+        except Exception:  # (the pipeline's own wait sees a dead draft)
+            return None
+        if not start:  # no paced pipeline ran there any more: nothing changed
+            pipe.retune = None
+        elif index >= start:
+            pipe.gamma, pipe.retune = gamma, None
+        return pipe.gamma
 
     def choose_next(self, remaining: int, gamma: int) -> int:
         """The gamma the draft drafts on with, for a next step that has at least

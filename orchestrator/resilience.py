@@ -160,6 +160,9 @@ class DraftLink(_Link):
         self.own_failures = 0  # the draft's failures on this request in a row (Internal)
         self.skip_steps = 0  # steps left to go without a draft after one of them
         self.skip_reason = ""
+        # A retune in flight on the session's stream (``retune``): the stream's next
+        # call waits for its reply first (one reply per call, in order).
+        self.retuning: asyncio.Task | None = None
 
     async def _open(self) -> None:
         self.cursor = Cursor.fresh(self.history)
@@ -176,6 +179,35 @@ class DraftLink(_Link):
         """Done once this request's draft session ended on its own
         (``DraftSession.ended``: the draft died, say); None without a session."""
         return self.session.ended() if self.session is not None else None
+
+    def retune(self, gamma: int) -> asyncio.Task:
+        """Ask the paced pipeline on the session to draft ``gamma`` tokens a block from
+        its next undecided block on (``DraftSession.retune``), in the background: the
+        task gives that block's index (0: nothing changed), or raises if the call
+        failed. Not an outage in itself: the pipeline's own wait sees a dead draft."""
+        session = self.session
+
+        async def call() -> int:
+            if session is None:
+                return 0
+            return await session.retune(gamma, self.budget.left(self.budget.draft_timeout_s))
+
+        self.retuning = asyncio.ensure_future(call())
+        return self.retuning
+
+    async def close(self) -> None:
+        if self.retuning is not None:  # (its reply no longer matters)
+            self.retuning.cancel()
+            await self._after_retune()
+        await super().close()
+
+    async def _after_retune(self) -> None:
+        """Let a retune in flight have its reply before the stream's next call."""
+        task, self.retuning = self.retuning, None
+        if task is not None:
+            await asyncio.wait((task,))
+            if not task.cancelled():
+                task.exception()  # (seen by whoever asked for it, if anyone still does)
 
     async def prefill(self) -> None:
         """Open a session ahead of the first drafting step (failures only mean no
@@ -215,6 +247,7 @@ class DraftLink(_Link):
         has no tokens when the draft already knows the verdict rejects a draft
         (``DraftOn.ahead``): the step would discard it.
         """
+        await self._after_retune()
         if ahead is not None:
             if self.session is None:
                 return None
@@ -297,6 +330,7 @@ class DraftLink(_Link):
             self.on_fallback(reason)
 
     async def rollback(self) -> None:
+        await self._after_retune()
         if self.session is None:
             return
         try:

@@ -158,6 +158,12 @@ OVERLAPPED_STEPS = Counter(
     ["outcome"],
     registry=None,
 )
+PIPELINE_RETUNES = Counter(
+    "specdec_pipeline_retunes_total",
+    "Adaptive requests' changes of gamma sent to the draft pacing their steps "
+    "(orchestrator.paced; DraftRequest.retune).",
+    registry=None,
+)
 RELAYED_STEPS = Counter(
     "specdec_relayed_steps_total",
     "Sequential steps whose proposal the draft was asked to send straight to the target: "
@@ -386,6 +392,7 @@ _ORCHESTRATOR_METRICS = (
     ARM_EPOCHS,
     OVERLAPPED_STEPS,
     RELAYED_STEPS,
+    PIPELINE_RETUNES,
     PIT_CHI2,
     PIT_WINDOW,
     PIT_TOKENS,

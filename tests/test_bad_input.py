@@ -164,6 +164,7 @@ DRAFT_CASES = [
         grpc.StatusCode.FAILED_PRECONDITION,
         "cache_len",
     ),
+    ("retune to gamma 0", [D(open=_open()), D(retune=draft_pb2.Retune())], INVALID, "retune.gamma"),
 ]
 
 TARGET_CASES = [
@@ -306,9 +307,11 @@ def test_model_services_answer_good_messages(llama_stack):
             D(open=_open()),
             D(propose=draft_pb2.Propose(cache_len=3, append_tokens=[4], gamma=3, seed=9)),
             D(rollback=common_pb2.Rollback(cache_len=1)),
+            D(retune=draft_pb2.Retune(gamma=4)),
         )
     assert err is None, err
     assert replies[0].opened.cache_len == 3
+    assert replies[3].retuned.from_block == 0  # (no pipeline runs: nothing changed)
     proposal = replies[1].proposal
     assert len(proposal.tokens) == 3 and proposal.cache_len == 3 + 1 + 2
     assert len(proposal.q.sizes) == 3

@@ -364,6 +364,88 @@ def test_paced_with_every_draft_accepted(tmp_path, llama_pair):
         wait_for_zero_sessions(stack)
 
 
+def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pair, monkeypatch):
+    """An adaptive request (gamma unset) chooses its gamma after every paced verdict, as
+    its asked steps would, and sends a changed one to the draft, which drafts with it
+    from its next undecided block on and says which (``DraftRequest.retune``). Here an
+    orchestrator in this process, on the stack's draft and target services, has its
+    choices scripted (``RequestPolicy.choose`` cycling through gammas 2, 5, 1, 4, 3):
+    every verdict brings a retune. Greedy output stays ``generate()``'s; sampled
+    requests end with no step lost or decoded plain (a block whose uniforms the
+    orchestrator and the draft drew for different gammas would be: its seed would not
+    be the one the orchestrator waits for)."""
+    import asyncio
+    import dataclasses
+    import itertools
+
+    from orchestrator import adaptive
+    from orchestrator.engine import Chunk, Orchestrator
+    from orchestrator.requests import parse
+    from specdec import metrics
+    from specdec.config import Config, ModelServiceConfig
+    from specdec.v1 import orchestrator_pb2
+
+    draft_dir, target_dir = llama_pair
+    ids = load_tokenizer(str(target_dir)).encode("retuned as it goes")
+    want = _reference(target_dir, ids, 40)
+    gammas = itertools.cycle((2, 5, 1, 4, 3))
+    monkeypatch.setattr(
+        adaptive.RequestPolicy,
+        "choose",
+        lambda self, limit, run=1: (min(next(gammas), limit), False),
+    )
+    config = Config(
+        draft=ModelServiceConfig(model=str(draft_dir)),
+        target=ModelServiceConfig(model=str(target_dir)),
+    )
+    config.orchestrator = dataclasses.replace(
+        config.orchestrator,
+        draft_address=paced.address("draft"),
+        target_address=paced.address("target"),
+        relay_max_requests=0,
+        pipeline_max_requests=0,
+        relay_timeout_s=5.0,
+    )
+
+    def count(counter, *labels) -> float:
+        return (counter.labels(*labels) if labels else counter)._value.get()
+
+    async def scenario() -> list[tuple[list[int], object]]:
+        orch = Orchestrator(config)
+        await orch.connect()
+        out = []
+        try:
+            for temperature in (0.0, 0.0, 1.0, 1.0):  # (unseeded: a seed fixes gamma)
+                req = orchestrator_pb2.GenerateRequest(max_new_tokens=40, temperature=temperature)
+                req.token_ids.ids.extend(ids)
+                spec = parse(
+                    req, orch.cfg.orchestrator, orch.tokenizer, orch.target_info, None, 4096
+                )
+                got, stats = [], None
+                async for item in orch.generate(spec, asyncio.get_running_loop().time()):
+                    if isinstance(item, Chunk):
+                        got += item.token_ids
+                    else:
+                        stats = item
+                out.append((got, stats))
+        finally:
+            await orch.aclose()
+        return out
+
+    retunes, lost = count(metrics.PIPELINE_RETUNES), count(metrics.RELAYED_STEPS, "lost")
+    fresh = _blocks(paced, "fresh")
+    runs = asyncio.run(scenario())
+    for temperature, (got, stats) in zip((0, 0, 1, 1), runs, strict=True):
+        assert stats.adaptive and stats.fallback_steps == 0, stats
+        assert stats.generated == len(got) == 40, stats
+        if temperature == 0:
+            assert got == want
+    assert count(metrics.RELAYED_STEPS, "lost") == lost  # (the two sides drew alike)
+    assert count(metrics.PIPELINE_RETUNES) - retunes >= 10
+    assert _blocks(paced, "fresh") > fresh + 10
+    wait_for_zero_sessions(paced)
+
+
 @pytest.mark.slow
 def test_paced_sampling_follows_the_target(paced, llama_pair):
     """T=1, gamma 1, sequential steps paced by the draft: the target's marginals at

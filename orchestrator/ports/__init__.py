@@ -100,6 +100,12 @@ class DraftSession(Protocol):
 
     async def rollback(self, cache_len: int, timeout: float | None) -> int: ...
 
+    async def retune(self, gamma: int, timeout: float | None) -> int:
+        """The paced pipeline running on the session drafts ``gamma`` tokens a block
+        from its next undecided block on; returns that block's index (0: none runs,
+        nothing changed). The pipeline goes on."""
+        ...
+
     def ended(self) -> asyncio.Future | None:
         """Done once the session has ended on its own (the service died, or dropped
         it): a pipeline it paces sends nothing more. None where a session cannot end

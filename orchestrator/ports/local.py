@@ -60,6 +60,9 @@ class LocalDraftSession:
     def ended(self) -> None:  # (in one process a session ends only when closed)
         return None
 
+    async def retune(self, gamma: int, timeout: float | None = None) -> int:
+        return 0  # (no pipeline runs in one process)
+
     async def close(self) -> None:
         self.svc.close(self.session)
 
@@ -122,6 +125,9 @@ class LocalTargetSession:
 
     def ended(self) -> None:  # (in one process a session ends only when closed)
         return None
+
+    async def retune(self, gamma: int, timeout: float | None = None) -> int:
+        return 0  # (no pipeline runs in one process)
 
     async def close(self) -> None:
         self.svc.close(self.session)

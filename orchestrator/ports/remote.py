@@ -145,6 +145,10 @@ class RemoteDraftSession:
         req = draft_pb2.DraftRequest(rollback=common_pb2.Rollback(cache_len=cache_len))
         return (await self.stream.ask(req, timeout)).rolled_back.cache_len
 
+    async def retune(self, gamma: int, timeout: float | None) -> int:
+        req = draft_pb2.DraftRequest(retune=draft_pb2.Retune(gamma=gamma))
+        return (await self.stream.ask(req, timeout)).retuned.from_block
+
     async def close(self) -> None:
         await self.stream.close()
 

@@ -26,7 +26,7 @@ from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.v1 import target_pb2 as specdec_dot_v1_dot_target__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x17specdec/v1/target.proto\"\x91\x01\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specdec.v1.OpenSessionH\x00\x12&\n\x07propose\x18\x02 \x01(\x0b\x32\x13.specdec.v1.ProposeH\x00\x12(\n\x08rollback\x18\x03 \x01(\x0b\x32\x14.specdec.v1.RollbackH\x00\x42\x06\n\x04kind\"\x9a\x01\n\nDraftReply\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionOpenedH\x00\x12(\n\x08proposal\x18\x02 \x01(\x0b\x32\x14.specdec.v1.ProposalH\x00\x12-\n\x0brolled_back\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RolledBackH\x00\x42\x06\n\x04kind\"\xb5\x01\n\x07Propose\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\r\n\x05gamma\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\"\n\x05relay\x18\x05 \x01(\x0b\x32\x13.specdec.v1.RelayTo\x12\x17\n\x0fguess_residuals\x18\x06 \x01(\x08\x12&\n\x08pipeline\x18\x07 \x01(\x0b\x32\x14.specdec.v1.Pipeline\"d\n\x08Pipeline\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x13\n\x0bstream_seed\x18\x04 \x01(\x04\x12\x17\n\x0fstream_position\x18\x05 \x01(\x04\"y\n\x07RelayTo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x13\n\x0brelay_token\x18\x02 \x01(\x0c\x12\"\n\x06verify\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Verify\x12%\n\x08\x64raft_on\x18\x04 \x01(\x0b\x32\x13.specdec.v1.DraftOn\"G\n\x07\x44raftOn\x12\x10\n\x08uniforms\x18\x01 \x03(\x01\x12\r\n\x05gamma\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05\x61head\x18\x04 \x01(\x08\"\xd5\x01\n\x08Proposal\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x1e\n\x01q\x18\x02 \x01(\x0b\x32\x13.specdec.v1.PackedQ\x12\x11\n\tcache_len\x18\x03 \x01(\x05\x12\x11\n\tcompute_s\x18\x04 \x01(\x02\x12\x11\n\tforward_s\x18\x05 \x01(\x02\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\x02\x12\x0f\n\x07relayed\x18\x07 \x01(\x08\x12\x13\n\x0brelay_bytes\x18\x08 \x01(\r\x12\x0e\n\x06lead_s\x18\t \x01(\x02\x12\x14\n\x0cguess_tokens\x18\n \x03(\x05\x32\x87\x01\n\x0c\x44raftService\x12?\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x16.specdec.v1.DraftReply(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x17specdec/v1/target.proto\"\xb7\x01\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specdec.v1.OpenSessionH\x00\x12&\n\x07propose\x18\x02 \x01(\x0b\x32\x13.specdec.v1.ProposeH\x00\x12(\n\x08rollback\x18\x03 \x01(\x0b\x32\x14.specdec.v1.RollbackH\x00\x12$\n\x06retune\x18\x04 \x01(\x0b\x32\x12.specdec.v1.RetuneH\x00\x42\x06\n\x04kind\"\xc2\x01\n\nDraftReply\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionOpenedH\x00\x12(\n\x08proposal\x18\x02 \x01(\x0b\x32\x14.specdec.v1.ProposalH\x00\x12-\n\x0brolled_back\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RolledBackH\x00\x12&\n\x07retuned\x18\x04 \x01(\x0b\x32\x13.specdec.v1.RetunedH\x00\x42\x06\n\x04kind\"\x17\n\x06Retune\x12\r\n\x05gamma\x18\x01 \x01(\r\"\x1d\n\x07Retuned\x12\x12\n\nfrom_block\x18\x01 \x01(\x04\"\xb5\x01\n\x07Propose\x12\x11\n\tcache_len\x18\x01 \x01(\x05\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\r\n\x05gamma\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\"\n\x05relay\x18\x05 \x01(\x0b\x32\x13.specdec.v1.RelayTo\x12\x17\n\x0fguess_residuals\x18\x06 \x01(\x08\x12&\n\x08pipeline\x18\x07 \x01(\x0b\x32\x14.specdec.v1.Pipeline\"d\n\x08Pipeline\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x13\n\x0bstream_seed\x18\x04 \x01(\x04\x12\x17\n\x0fstream_position\x18\x05 \x01(\x04\"y\n\x07RelayTo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x13\n\x0brelay_token\x18\x02 \x01(\x0c\x12\"\n\x06verify\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Verify\x12%\n\x08\x64raft_on\x18\x04 \x01(\x0b\x32\x13.specdec.v1.DraftOn\"G\n\x07\x44raftOn\x12\x10\n\x08uniforms\x18\x01 \x03(\x01\x12\r\n\x05gamma\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05\x61head\x18\x04 \x01(\x08\"\xd5\x01\n\x08Proposal\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x1e\n\x01q\x18\x02 \x01(\x0b\x32\x13.specdec.v1.PackedQ\x12\x11\n\tcache_len\x18\x03 \x01(\x05\x12\x11\n\tcompute_s\x18\x04 \x01(\x02\x12\x11\n\tforward_s\x18\x05 \x01(\x02\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\x02\x12\x0f\n\x07relayed\x18\x07 \x01(\x08\x12\x13\n\x0brelay_bytes\x18\x08 \x01(\r\x12\x0e\n\x06lead_s\x18\t \x01(\x02\x12\x14\n\x0cguess_tokens\x18\n \x03(\x05\x32\x87\x01\n\x0c\x44raftService\x12?\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x16.specdec.v1.DraftReply(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTREQUEST']._serialized_start=89
-  _globals['_DRAFTREQUEST']._serialized_end=234
-  _globals['_DRAFTREPLY']._serialized_start=237
-  _globals['_DRAFTREPLY']._serialized_end=391
-  _globals['_PROPOSE']._serialized_start=394
-  _globals['_PROPOSE']._serialized_end=575
-  _globals['_PIPELINE']._serialized_start=577
-  _globals['_PIPELINE']._serialized_end=677
-  _globals['_RELAYTO']._serialized_start=679
-  _globals['_RELAYTO']._serialized_end=800
-  _globals['_DRAFTON']._serialized_start=802
-  _globals['_DRAFTON']._serialized_end=873
-  _globals['_PROPOSAL']._serialized_start=876
-  _globals['_PROPOSAL']._serialized_end=1089
-  _globals['_DRAFTSERVICE']._serialized_start=1092
-  _globals['_DRAFTSERVICE']._serialized_end=1227
+  _globals['_DRAFTREQUEST']._serialized_end=272
+  _globals['_DRAFTREPLY']._serialized_start=275
+  _globals['_DRAFTREPLY']._serialized_end=469
+  _globals['_RETUNE']._serialized_start=471
+  _globals['_RETUNE']._serialized_end=494
+  _globals['_RETUNED']._serialized_start=496
+  _globals['_RETUNED']._serialized_end=525
+  _globals['_PROPOSE']._serialized_start=528
+  _globals['_PROPOSE']._serialized_end=709
+  _globals['_PIPELINE']._serialized_start=711
+  _globals['_PIPELINE']._serialized_end=811
+  _globals['_RELAYTO']._serialized_start=813
+  _globals['_RELAYTO']._serialized_end=934
+  _globals['_DRAFTON']._serialized_start=936
+  _globals['_DRAFTON']._serialized_end=1007
+  _globals['_PROPOSAL']._serialized_start=1010
+  _globals['_PROPOSAL']._serialized_end=1223
+  _globals['_DRAFTSERVICE']._serialized_start=1226
+  _globals['_DRAFTSERVICE']._serialized_end=1361
 # @@protoc_insertion_point(module_scope)

@@ -9,24 +9,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("open", "propose", "rollback")
+    __slots__ = ("open", "propose", "rollback", "retune")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    RETUNE_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     propose: Propose
     rollback: _common_pb2.Rollback
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., propose: _Optional[_Union[Propose, _Mapping]] = ..., rollback: _Optional[_Union[_common_pb2.Rollback, _Mapping]] = ...) -> None: ...
+    retune: Retune
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., propose: _Optional[_Union[Propose, _Mapping]] = ..., rollback: _Optional[_Union[_common_pb2.Rollback, _Mapping]] = ..., retune: _Optional[_Union[Retune, _Mapping]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("opened", "proposal", "rolled_back")
+    __slots__ = ("opened", "proposal", "rolled_back", "retuned")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    RETUNED_FIELD_NUMBER: _ClassVar[int]
     opened: _common_pb2.SessionOpened
     proposal: Proposal
     rolled_back: _common_pb2.RolledBack
-    def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ...) -> None: ...
+    retuned: Retuned
+    def __init__(self, opened: _Optional[_Union[_common_pb2.SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., rolled_back: _Optional[_Union[_common_pb2.RolledBack, _Mapping]] = ..., retuned: _Optional[_Union[Retuned, _Mapping]] = ...) -> None: ...
+
+class Retune(_message.Message):
+    __slots__ = ("gamma",)
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    gamma: int
+    def __init__(self, gamma: _Optional[int] = ...) -> None: ...
+
+class Retuned(_message.Message):
+    __slots__ = ("from_block",)
+    FROM_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    from_block: int
+    def __init__(self, from_block: _Optional[int] = ...) -> None: ...
 
 class Propose(_message.Message):
     __slots__ = ("cache_len", "append_tokens", "gamma", "seed", "relay", "guess_residuals", "pipeline")
