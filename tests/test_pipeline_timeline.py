@@ -64,9 +64,18 @@ def test_a_fresh_blocks_gap_splits_into_its_path():
     ms = {k: round(1000 * v[0], 1) for k, v in segments.items()}
     assert ms["target:reply -> draft:pipeline-echo"] == 6.0
     assert ms["draft:pipeline-settle -> draft:pipeline-drafted"] == 3.9
-    assert ms["draft:pipeline-relayed -> target:relay"] == 5.0
+    assert ms["draft:pipeline-drafted -> target:relay"] == 5.4
     # the segments tile the verdict-to-pass time
     assert sum(v[0] for v in segments.values()) == pytest.approx(0.0356 - 0.020)
+
+
+def test_a_relay_the_target_holds_before_the_draft_marks_it_sent_keeps_its_path():
+    """The draft marks ``pipeline-relayed`` when its write completes, which may be
+    after the target read the block: the path does not go through that mark (it
+    once did, and paired such a block with the step before it)."""
+    late = [m if m.label != "pipeline-relayed" else Mark(0.0360, m.role, m.label) for m in TIMELINE]
+    late.sort(key=lambda m: m.t)
+    assert fresh_segments(late) == fresh_segments(TIMELINE)
 
 
 def test_a_fresh_block_whose_marks_interleave_with_another_step_is_left_out():
