@@ -2,14 +2,17 @@
 (``specdec.tracing``): is the target kept fed?
 
     python -m benchmarks.pipeline_timeline [--rtt-ms 10] [--temperature 0]
-        [--gamma 4] [--rounds 3] [--prompts 4] [--max-new-tokens 64] [--out DIR]
+        [--gamma 4] [--paced] [--shared] [--rounds 3] [--prompts 4]
+        [--max-new-tokens 64] [--out DIR]
 
 One draft and one target pinned as in ``make bench`` (one torch thread each),
 every hop through the delay proxy, the draft's relays included, and an
 orchestrator that pipelines from any round trip (``orchestrator.pipeline``,
-``pipeline_min_rtt_ms: 0``; ``--gamma 0``: adaptive requests). Requests run one
-at a time. In a pipeline nobody asks for a step, so the target's own timeline
-tells how well it is fed:
+``pipeline_min_rtt_ms: 0``; ``--gamma 0``: adaptive requests); ``--paced``:
+sequential steps the draft paces instead (``orchestrator.paced``, every block
+fresh); ``--shared``: nothing pinned and no proxies, as the head-to-head
+section's services run. Requests run one at a time. In a pipeline nobody asks
+for a step, so the target's own timeline tells how well it is fed:
 
 * its share of the wall time in forward passes;
 * the idle gap before each pass, by the kind of block the pass ran
@@ -17,7 +20,9 @@ tells how well it is fed:
   request's prefill and its first step, which the orchestrator asks for);
 * for a fresh block (the block after a rejection nothing relayed ahead
   covered), that gap cut into segments: the verdict's echo to the draft, the
-  draft's settling, its drafting, the send, and the hop back to the target;
+  draft's settling, its drafting, and the send with the hop back to the target
+  (one segment: the draft marks a relay sent when its write completes, which
+  may be after the target has read it);
 * the echo's delay after every verdict, split by whether the target went
   straight on to the next block's pass (the pass blocks its event loop).
 
