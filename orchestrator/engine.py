@@ -896,7 +896,8 @@ class Generation:
         if self.policy.gamma is not None or pipe.retune is not None or self.draft is None:
             return
         gamma, overlap = self.policy.choose(left - 1, self.plain_run(left))
-        if gamma and not overlap and gamma != pipe.gamma:
+        # (near the end the choice is cut to the tokens left, as the blocks are anyway)
+        if gamma and not overlap and gamma != min(pipe.gamma, left - 1):
             pipe.retune = (self.draft.retune(gamma), gamma)
             metrics.PIPELINE_RETUNES.inc()
 
