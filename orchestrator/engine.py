@@ -893,7 +893,9 @@ class Generation:
         from its next undecided block on (the block after this verdict is drafted
         already, as its echo came). One retune at a time; a choice of plain decoding
         or of drafting ahead leaves the pipeline as it is."""
-        if self.policy.gamma is not None or pipe.retune is not None or self.draft is None:
+        if not self.o.paced_retune or self.policy.gamma is not None or self.draft is None:
+            return
+        if pipe.retune is not None:
             return
         gamma, overlap = self.policy.choose(left - 1, self.plain_run(left))
         # (near the end the choice is cut to the tokens left, as the blocks are anyway)

@@ -312,6 +312,10 @@ class OrchestratorConfig:
     # draft_on leaves it in: the next block waits at the draft for its propose.
     # Gated like pipelines by pipeline_max_requests, not by pipeline_min_rtt_ms.
     paced: bool = True
+    # ... and an adaptive request chooses gamma again after every paced verdict,
+    # sending a change to the draft (DraftRequest.retune); off, it keeps the gamma
+    # chosen at the pipeline's first step until the pipeline ends.
+    paced_retune: bool = True
     # Pipelined speculation: in steps that draft ahead, the draft paces the steps
     # itself, relaying each block it drafts ahead marked to run only if the block
     # before it is accepted in full, and the target runs it without waiting for

@@ -410,12 +410,12 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
     def count(counter, *labels) -> float:
         return (counter.labels(*labels) if labels else counter)._value.get()
 
-    async def scenario() -> list[tuple[list[int], object]]:
+    async def scenario(config, temperatures=(0.0, 0.0, 1.0, 1.0)) -> list[tuple[list[int], object]]:
         orch = Orchestrator(config)
         await orch.connect()
         out = []
         try:
-            for temperature in (0.0, 0.0, 1.0, 1.0):  # (unseeded: a seed fixes gamma)
+            for temperature in temperatures:  # (unseeded: a seed fixes gamma)
                 req = orchestrator_pb2.GenerateRequest(max_new_tokens=40, temperature=temperature)
                 req.token_ids.ids.extend(ids)
                 spec = parse(
@@ -434,7 +434,7 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
 
     retunes, lost = count(metrics.PIPELINE_RETUNES), count(metrics.RELAYED_STEPS, "lost")
     fresh = _blocks(paced, "fresh")
-    runs = asyncio.run(scenario())
+    runs = asyncio.run(scenario(config))
     for temperature, (got, stats) in zip((0, 0, 1, 1), runs, strict=True):
         assert stats.adaptive and stats.fallback_steps == 0, stats
         assert stats.generated == len(got) == 40, stats
@@ -443,6 +443,11 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
     assert count(metrics.RELAYED_STEPS, "lost") == lost  # (the two sides drew alike)
     assert count(metrics.PIPELINE_RETUNES) - retunes >= 10
     assert _blocks(paced, "fresh") > fresh + 10
+    # ``orchestrator.paced_retune`` off: the pipeline keeps its first gamma.
+    config.orchestrator = dataclasses.replace(config.orchestrator, paced_retune=False)
+    retunes = count(metrics.PIPELINE_RETUNES)
+    [(got, stats)] = asyncio.run(scenario(config, (0.0,)))
+    assert got == want and stats.adaptive and count(metrics.PIPELINE_RETUNES) == retunes
     wait_for_zero_sessions(paced)
 
 
