@@ -596,10 +596,9 @@ async def _unless_ended(call, ended: asyncio.Future, grace_s: float):
     if task.done():
         return task.result()
     task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, SpecdecError):
-        pass
+    await asyncio.wait((task,))  # (a cancellation of this caller still propagates)
+    if not task.cancelled():
+        task.exception()  # (retrieved: the session is given up either way)
     raise _DraftEnded
 
 
