@@ -123,12 +123,6 @@ class LocalTargetSession:
     async def rollback(self, cache_len: int, timeout: float | None = None) -> int:
         return self.svc.rollback(self.session, cache_len)
 
-    def ended(self) -> None:  # (in one process a session ends only when closed)
-        return None
-
-    async def retune(self, gamma: int, timeout: float | None = None) -> int:
-        return 0  # (no pipeline runs in one process)
-
     async def close(self) -> None:
         self.svc.close(self.session)
 
