@@ -9,6 +9,7 @@ Through gRPC, ``tests/test_relay.py`` checks that drafting on changes no token."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -65,7 +66,8 @@ async def _first_step(p: Pair, params: SamplingParams, sid: str, gamma: int = 3)
 def test_a_head_start_answers_exactly_the_propose_it_equals(llama_pair, temperature):
     """The next proposal drafted on an echoed verdict equals the one drafted when
     asked: same tokens, same q, same cache; a shorter ask takes its first tokens.
-    It says how long it was drafting before its propose arrived (lead_s)."""
+    It says how long it was drafting before its propose arrived (lead_s), which
+    for a block drafted in full before then is its drafting, not the wait after."""
     params = SamplingParams(temperature=temperature)
     u = [0.3, 0.6, 0.9]
 
@@ -82,12 +84,20 @@ def test_a_head_start_answers_exactly_the_propose_it_equals(llama_pair, temperat
                 proposes = head.extra.proposes
                 used = _outcome("used")
                 p.draft.draft_on(head, proposes, cursor, drafts, verdict, u, 3, 21)
-                assert head.extra.head is not None
+                started = head.extra.head
+                assert started is not None
                 await asyncio.sleep(0.05)  # the propose comes this long after the echo
+                asked = time.perf_counter()
                 got = await p.draft.propose(head, nxt.cache_len, nxt.pending, ask, 21)
+                answered = time.perf_counter()
                 assert _outcome("used") == used + 1
-                # How much of its compute came before the propose (the cost model's lead).
-                assert want.lead_s == 0.0 and 0.04 <= got.lead_s <= got.compute_s
+                # How much of its compute came before the propose (the cost model's
+                # lead): its drafting, done before the propose came; the 50 ms it then
+                # waited is neither lead nor compute.
+                drafting = started.finished - started.started
+                assert started.finished < asked
+                assert want.lead_s == 0.0 and got.lead_s == pytest.approx(drafting, abs=1e-4)
+                assert 0.0 <= got.compute_s - got.lead_s <= answered - asked
                 assert got.tokens == want.tokens
                 assert [(q.ids.tolist(), q.counts.tolist()) for q in got.qs] == [
                     (q.ids.tolist(), q.counts.tolist()) for q in want.qs
