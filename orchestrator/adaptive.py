@@ -378,10 +378,20 @@ class CostModel:
         compute (``lead_s`` of it before the call arrived: drafted on from an echo)."""
         if gamma <= 0 or compute_s <= 0:
             return
-        if forward_s > 0 and batch_tokens > 0:
-            self.draft_pass.add(batch_tokens, forward_s / gamma)
-            self.draft_sessions.add(max(1.0, batch_tokens))
-        self.draft_extra.add(gamma, max(0.0, compute_s - forward_s))
+        if lead_s <= 0:
+            # The draft's costs are learnt from blocks drafted within their call only.
+            # One drafted before its propose (on an echo, or a guess) was drafted
+            # beside the session's own guesses: its passes carried 4-5 rows (so the
+            # draft looked shared by 4-5 sessions, its passes 1.0-1.3 ms per token
+            # where a one-row pass takes 0.15-0.25) and its span waited behind them.
+            # Fitted in, on an orchestrator that also served requests drafting
+            # ahead, each drafted token read 0.7-3.5 ms (0.2 from calls alone) and
+            # adaptive requests chose gamma 2.5-5 where 6 was the fastest
+            # (docs/benchmarks.md, "Requests that draft ahead misled adaptive ones").
+            if forward_s > 0 and batch_tokens > 0:
+                self.draft_pass.add(batch_tokens, forward_s / gamma)
+                self.draft_sessions.add(max(1.0, batch_tokens))
+            self.draft_extra.add(gamma, max(0.0, compute_s - forward_s))
         lead_s = min(max(0.0, lead_s), compute_s) if self.count_lead else 0.0
         self.rtt_draft_s.add(max(0.0, wall_s - (compute_s - lead_s)))
         self.drafted_on.add(1.0 if lead_s > 0 else 0.0)

@@ -63,6 +63,29 @@ def test_a_block_drafted_on_ahead_of_its_propose_costs_the_step_only_the_rest():
     assert m.choose(0.72, 16, allow_overlap=False)[0] == without
 
 
+def test_blocks_drafted_before_their_propose_leave_the_drafts_costs_alone():
+    """The draft's costs (its pass as a line in the rows it carries, the sessions
+    sharing it, a call's cost beyond its passes) are learnt from blocks drafted
+    within their call only. A block drafted before its propose (on an echo, or a
+    guess) was drafted beside the session's own guesses: its passes carried 4-5
+    rows and its span waited behind them. Fitted in, each drafted token read
+    0.7-3.5 ms where calls measured 0.2, and adaptive requests chose shorter blocks."""
+    m = model(draft=0.0002, rtt=0.001)
+    for _ in range(100):  # calls: one-row passes of 0.2 ms, 0.3 ms a call + 0.1 a token
+        for g in (3, 4, 5, 6):
+            m.observe_draft(g, 0.004, 0.0003 + g * 0.0003, g * 0.0002, 1.0)
+    costs = [m.draft_cost(g) for g in range(1, 9)]
+    assert abs(m.draft_token_s() - 0.0003) < 2e-5 and abs(m.draft_extra.a - 0.0003) < 1e-6
+    for _ in range(100):  # drafted on beside guesses: 5-row passes of 1.1 ms, 1 ms of lead
+        for g in (3, 4, 5, 6):
+            span = g * 0.0013
+            m.observe_draft(g, span, span, g * 0.0011, 5.0, lead_s=0.001)
+    assert [m.draft_cost(g) for g in range(1, 9)] == costs
+    assert m.draft_sessions.value == 1.0
+    assert m.drafted_on.value > 0.99 and abs(m.draft_lead_s.value - 0.001) < 1e-9
+    assert abs(m.rtt_draft_s.value - 0.001) < 1e-9  # (their round trips still count)
+
+
 def test_plain_runs_pay_the_round_trip_once():
     m = model(rtt=0.010)
     # A run of 8 costs one round trip and 8 passes; one token per step pays it each time.
