@@ -16,7 +16,13 @@ other rounds).
 Per RTT and temperature: adaptive (unseeded: seeded requests use the configured
 gamma), plain decoding, and sequential and drafting-ahead gamma for each of
 ``--gammas``; each configuration once to warm up, then ``--repeats`` rounds, the
-order rotating. Writes results.json, results.md and adaptive_check.png.
+order rotating. Per point it also reports, from each orchestrator's metrics,
+the mean gamma its adaptive requests chose and its estimate of what a drafted
+token costs (the cost model's ``draft_token_seconds``): the benchmark's own
+orchestrator serves the fixed configurations too, and what they feed its
+estimates can move the adaptive choice ("Requests that draft ahead misled
+adaptive ones" in docs/benchmarks.md). Writes results.json, results.md and
+adaptive_check.png.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .common import PROMPTS, Client, machine_info
+from .common import PROMPTS, Client, delta, machine_info, pick, scrape
 from .plain_runs import interleaved, paired, save_side_by_side, side_by_side_header
 from .report import held_out_best
 from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
@@ -61,6 +67,20 @@ def rate_fns(fields: dict[str, dict], address: str, temp: float, prompts, tokens
         return t["tokens"] / t["wall_s"]
 
     return {name: (lambda r, f=f: run(f, r)) for name, f in fields.items()}
+
+
+def choices(port: int, before: dict) -> dict:
+    """What one orchestrator's adaptive requests chose since ``before`` (a scrape of
+    its metrics port), and its cost model's estimate of a drafted token's cost now."""
+    now = scrape(port)
+    d = delta(now, before)
+    steps = pick(d, "specdec_adaptive_gamma_count")
+    return {
+        "mean_gamma": pick(d, "specdec_adaptive_gamma_sum") / steps if steps else None,
+        "steps": steps,
+        "draft_token_ms": 1000
+        * pick(now, "specdec_adaptive_estimate", quantity="draft_token_seconds"),
+    }
 
 
 def plot(out: Path, results: dict) -> None:
@@ -111,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = PROMPTS[: args.prompts]
     results: dict[str, dict] = {}
     with proxied_services(out) as (stack, proxies, pd, pt):
-        address, _ = stack.start_orchestrator("orchestrator-proxied", pd, pt)
-        baseline = None
+        address, port = stack.start_orchestrator("orchestrator-proxied", pd, pt)
+        baseline, ports = None, {"adaptive": port}
         if args.baseline_set:
             sets = dict(kv.split("=", 1) for kv in args.baseline_set)  # parsed as --set
-            baseline, _ = stack.start_orchestrator("orchestrator-baseline", pd, pt, sets)
+            baseline, ports["baseline"] = stack.start_orchestrator(
+                "orchestrator-baseline", pd, pt, sets
+            )
             info["baseline_set"] = args.baseline_set
         pin_stack(stack)
         stack.pin_extra(DRAFT_CORE, FRONT_NICE)
@@ -126,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                 configs = configs_for(
                     address, temp, args.gammas, prompts, args.max_new_tokens, baseline
                 )
+                before = {name: scrape(p) for name, p in ports.items()}
                 rates = interleaved(configs, args.repeats)
                 fixed = {k: v for k, v in rates.items() if k[0] in "so"}
                 results[key] = {
                     "rates": rates,
                     "held_out": held_out_best(rates["adaptive"], fixed),
                     "vs_plain": paired(rates["adaptive"], rates["plain"]),
+                    "chose": {name: choices(p, before[name]) for name, p in ports.items()},
                 }
                 if baseline:
                     results[key]["baseline_held_out"] = held_out_best(rates["baseline"], fixed)
@@ -182,6 +206,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {key} | {point['baseline_held_out']['ratio']:.3f} | "
                 f"{point['vs_baseline']:.3f} |"
             )
+    lines += [
+        "",
+        "What adaptive requests chose (mean gamma over the point's steps, warm-up "
+        "included) and each orchestrator's estimate of a drafted token's cost at "
+        "the point's end:",
+        "",
+        "| point | "
+        + " | ".join(f"{n} mean gamma | {n} ms per drafted token" for n in ports)
+        + " |",
+        "|---" * (1 + 2 * len(ports)) + "|",
+    ]
+    for key, point in results.items():
+        cells = []
+        for name in ports:
+            c = point["chose"][name]
+            g = "-" if c["mean_gamma"] is None else f"{c['mean_gamma']:.2f}"
+            cells += [g, f"{c['draft_token_ms']:.3f}"]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines += ["", "Every configuration's median tok/s:", ""]
     names = list(next(iter(results.values()))["rates"]) if results else []
     lines += ["| point | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

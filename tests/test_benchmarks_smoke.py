@@ -462,7 +462,11 @@ def test_adaptive_check_writes_results(tmp_path):
     assert set(point["rates"]) == {"adaptive", "plain", "seq2", "ovl2"}
     assert all(v[0] > 0 for v in point["rates"].values())
     assert point["held_out"]["ratio"] > 0 and point["held_out"]["picks"][0] in ("seq2", "ovl2")
+    # What the adaptive requests chose, from the orchestrator's metrics.
+    chose = point["chose"]["adaptive"]
+    assert chose["steps"] > 0 and chose["mean_gamma"] >= 0 and chose["draft_token_ms"] > 0
     assert "| +0 ms, T=0 |" in (tmp_path / "results.md").read_text()
+    assert "adaptive mean gamma" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "adaptive_check.png").stat().st_size > 0
 
 
