@@ -563,10 +563,11 @@ def drafted_before(block: HeadStart | Guess, asked_at: float, now: float) -> tup
     its propose came at ``asked_at``: its time from the start of its drafting, and of
     that the part before the propose, both less the time a block drafted in full sat
     waiting for its propose. That wait is no compute: counted as such (before
-    2026-12-06), every block drafted on from an echo over a 10 ms round trip read
-    15-18 ms of draft time, and the cost model's line of a propose call's cost in
-    gamma, fitted with them, rose from 0.2 to 3.3 ms per drafted token, so adaptive
-    requests on an orchestrator that also served requests drafting ahead chose
+    2026-12-06), blocks drafted on from an echo over a 10 ms round trip read 15-18 ms
+    of draft time, and an orchestrator that also served requests drafting ahead
+    priced a drafted token at 3.2-3.5 ms (0.2 measured in calls; 0.9 with this
+    fixed, the rest was the guesses its passes carried, see
+    ``orchestrator.adaptive.CostModel.observe_draft``): its adaptive requests chose
     gamma 2.5-3 where 5-6 was the fastest. compute_s - lead_s, the time after the
     propose came, is unchanged."""
     finished = now if block.finished is None else block.finished
