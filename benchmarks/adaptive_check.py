@@ -4,12 +4,14 @@
 
 Issue 10 asks adaptive gamma to stay within 5% of the best fixed gamma at 0, 2
 and 10 ms of added round-trip time, greedy and T=1. ``make bench`` measures that
-in its RTT section with 2 rounds of 3 prompts, and takes the largest of twelve
+in its RTT section with 4 rounds of 3 prompts, and takes the largest of twelve
 medians as "the best fixed gamma": an estimate biased upward (see
 ``benchmarks.report.held_out_best``). This run measures the same setting (the
 services pinned as in ``make bench``: draft, orchestrator and this client on one
 core, the target on the other; round-trip time added on every hop by the delay
-proxy) with more rounds, and reports both the in-sample ratio and the held-out
+proxy; the orchestrators with the section's settings, ``run.RTT_SETS``:
+drafting-ahead steps pipelined where the hop is long, ``--no-pipeline`` for the
+defaults) with more rounds, and reports both the in-sample ratio and the held-out
 one (round i compared with the fixed configuration that was fastest in the
 other rounds).
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from .common import PROMPTS, Client, delta, machine_info, pick, scrape
 from .plain_runs import interleaved, paired, save_side_by_side, side_by_side_header
 from .report import held_out_best
-from .run import DRAFT_CORE, FRONT_NICE, _run_prompts, pin_stack, proxied_services
+from .run import DRAFT_CORE, FRONT_NICE, RTT_SETS, _run_prompts, pin_stack, proxied_services
 
 
 def configs_for(
@@ -123,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         help="KEY=VALUE config settings of a second orchestrator whose adaptive requests "
         "are measured beside (as 'baseline'), e.g. orchestrator.adaptive_draft_lead=false",
     )
+    ap.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="the orchestrators without make bench's RTT-section settings (RTT_SETS: "
+        "pipelines where the hop is long): drafting-ahead steps asked for, as by default",
+    )
     ap.add_argument("--out", default=f"results/adaptive-check-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -130,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info("cpu")
     prompts = PROMPTS[: args.prompts]
     results: dict[str, dict] = {}
+    own = {} if args.no_pipeline else dict(RTT_SETS)
+    info["orchestrator_set"] = [f"{k}={v}" for k, v in own.items()]
     with proxied_services(out) as (stack, proxies, pd, pt):
-        address, port = stack.start_orchestrator("orchestrator-proxied", pd, pt)
+        address, port = stack.start_orchestrator("orchestrator-proxied", pd, pt, own)
         baseline, ports = None, {"adaptive": port}
         if args.baseline_set:
             sets = dict(kv.split("=", 1) for kv in args.baseline_set)  # parsed as --set
             baseline, ports["baseline"] = stack.start_orchestrator(
-                "orchestrator-baseline", pd, pt, sets
+                "orchestrator-baseline", pd, pt, {**own, **sets}
             )
             info["baseline_set"] = args.baseline_set
         pin_stack(stack)
@@ -167,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     info["load_average_end"] = list(os.getloadavg())
+    sets = ", ".join(f"`{x}`" for x in info["orchestrator_set"]) or "the defaults"
     lines = side_by_side_header(
         "Adaptive gamma against the best fixed gamma",
         info,
-        f"Pinned as in `make bench`, round-trip time added on every hop; per point "
+        f"Pinned as in `make bench`, round-trip time added on every hop; the "
+        f"orchestrators with {sets}; per point "
         f"{args.repeats} interleaved rounds of {len(prompts)} prompts x "
         f"{args.max_new_tokens} tokens per configuration, after a warm-up run of each.",
     )

@@ -486,14 +486,18 @@ def inprocess_section(draft_dir: str, target_dir: str, plan: Plan, gammas: dict)
 
 
 # ---- 6. added round-trip time -----------------------------------------------------------------
+# The orchestrator behind the delay proxies runs as on separate machines, as deploy/'s
+# gpu overlay configures it: pipelines where the hop is long (``benchmarks.adaptive_check``
+# measures the same section's criterion with the same settings).
+RTT_SETS = {"orchestrator.pipeline": "true"}
+
+
 def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
     proxies = ProxyGroup()
     try:
         d_addr = proxies.add(stack.address("draft"))
         t_addr = proxies.add(stack.address("target"))
-        # Separate machines, as deploy/ configures them: pipelines where the hop is long.
-        sets = {"orchestrator.pipeline": "true"}
-        address, _ = stack.start_orchestrator("orchestrator-proxied", d_addr, t_addr, sets)
+        address, _ = stack.start_orchestrator("orchestrator-proxied", d_addr, t_addr, RTT_SETS)
         stack.pin_extra(DRAFT_CORE, FRONT_NICE)
         client = Client(address)
         prompts = plan.prompts[: plan.rtt_prompts]

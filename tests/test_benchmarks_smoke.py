@@ -453,12 +453,16 @@ def test_pinning_a_service_pins_every_thread_it_has():
 
 def test_adaptive_check_writes_results(tmp_path):
     """``benchmarks.adaptive_check`` on the demo pair, one point, one round: adaptive,
-    plain and both kinds of one fixed gamma measured, the held-out ratio reported."""
+    plain and both kinds of one fixed gamma measured, the held-out ratio reported,
+    through an orchestrator set as make bench's RTT section sets its own."""
     run_benchmark(
         "benchmarks.adaptive_check", "--repeats", "1", "--rtts", "0", "--temperatures", "0",
         "--gammas", "2", "--prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)
     )  # fmt: skip
-    point = json.loads((tmp_path / "results.json").read_text())["rates"]["+0 ms, T=0"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    # the orchestrator set as make bench's RTT section sets its own (run.RTT_SETS)
+    assert saved["machine"]["orchestrator_set"] == ["orchestrator.pipeline=true"]
+    point = saved["rates"]["+0 ms, T=0"]
     assert set(point["rates"]) == {"adaptive", "plain", "seq2", "ovl2"}
     assert all(v[0] > 0 for v in point["rates"].values())
     assert point["held_out"]["ratio"] > 0 and point["held_out"]["picks"][0] in ("seq2", "ovl2")
