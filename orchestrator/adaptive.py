@@ -318,8 +318,12 @@ class CostModel:
     rtt_target_s: _Ewma = field(default_factory=lambda: _Ewma(0.0005))
     # Greedy pipelined blocks (``orchestrator.pipeline``): of the rejections, the share
     # whose next block a guess the draft relayed ahead covered (the target went on at
-    # once). Sampled pipelines relay no guesses.
+    # once); over every position, and by the position rejected (1-based: index j),
+    # since the draft guesses at its first few positions only (``draft.guesses``, and
+    # fewer where its copies of the cache would pass ``guess_copy_mb``). Sampled
+    # pipelines relay no guesses.
     guess_cover: _Ewma = field(default_factory=lambda: _Ewma(0.0))
+    guess_cover_at: dict = field(default_factory=dict)  # {position: _Ewma}
     # Sessions sharing a pass (1: alone).
     target_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
     draft_sessions: _Ewma = field(default_factory=lambda: _Ewma(1.0))
@@ -491,11 +495,38 @@ class CostModel:
         self.predicted_s[kind].add(predicted)
         metrics.ESTIMATE.labels(f"step_time_ratio_{kind}").set(self.calibration(kind))
 
-    def observe_guess_cover(self, covered: bool) -> None:
-        """A greedy pipelined block was rejected; ``covered``: the block after it was
-        a guess relayed ahead (else the draft drafted it after the verdict)."""
-        self.guess_cover.add(1.0 if covered else 0.0)
+    def observe_guess_cover(self, covered: bool, position: int | None = None) -> None:
+        """A greedy pipelined block was rejected (at draft ``position``, 1-based, if
+        known); ``covered``: the block after it was a guess relayed ahead (else the
+        draft drafted it after the verdict)."""
+        x = 1.0 if covered else 0.0
+        self.guess_cover.add(x)
+        if position is not None:
+            self.guess_cover_at.setdefault(position, _Ewma(0.0)).add(x)
         metrics.ESTIMATE.labels("pipeline_guess_cover").set(self.guess_cover.value)
+
+    def covered_rejection(self, gamma: int, alpha: float) -> float:
+        """The chance that a greedy pipelined block of ``gamma`` drafts is rejected and
+        a guess covers the rejection: sum over positions j of a^(j-1) (1 - a) c_j,
+        c_j the share of rejections at j covered. A position not yet seen takes the
+        nearest seen one's below it (``guess_cover`` where none is): a draft that
+        guesses further than it looks gets tried, and one rejection there is enough
+        to correct it. (One share for every position overrated long blocks: the
+        draft guesses at its first 4 positions by default, so a rejection past them
+        always waits for a fresh block, and by the share measured at 4 drafts, 8
+        looked as fast as 4 on the demo pair.)"""
+        c = self.guess_cover.value
+        if self.guess_cover_at:
+            first = min(self.guess_cover_at)
+            c = self.guess_cover_at[first].value
+        total, reach = 0.0, 1.0 - alpha  # reach: a^(j-1) (1 - a)
+        for j in range(1, gamma + 1):
+            seen = self.guess_cover_at.get(j)
+            if seen is not None:
+                c = seen.value
+            total += reach * c
+            reach *= alpha
+        return total
 
     def explore(self, requests: int = 1) -> bool:
         """Whether a step the model would decode plain should draft instead,
@@ -583,8 +614,9 @@ class CostModel:
         ``pipelined`` (``orchestrator.pipeline``): the draft relays each block ahead,
         so the target goes from one verdict to the next block's verify at once when
         that block was relayed ahead: the one that follows a block accepted in full
-        (chance alpha^(gamma + match)) or, greedy, the guess for a rejection (a share
-        ``guess_cover`` of them). Otherwise the step also waits for the verdict's echo
+        (chance alpha^(gamma + match)) or, greedy, the guess for a rejection
+        (``covered_rejection``: by the position rejected). Otherwise the step also
+        waits for the verdict's echo
         to the draft, its drafting and the relay back: a round trip between the two
         (the one to the draft stands for it) and the drafting. No round trip to this
         orchestrator: nobody asks for the steps. ``pipelined`` without ``overlap``: a
@@ -601,8 +633,9 @@ class CostModel:
             if not overlap:  # paced
                 return scale * (self.verify_cost(gamma, wide) + wait)
             if drafted is None:
-                chained = alpha ** (gamma + match)
-                ready = chained + (1 - chained) * (self.guess_cover.value if match else 0.0)
+                ready = alpha ** (gamma + match)
+                if match:  # (a bonus the follower missed is no rejection: no guess)
+                    ready += self.covered_rejection(gamma, alpha)
                 wait *= 1 - ready
             elif not drafted:
                 wait = 0.0

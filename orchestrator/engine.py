@@ -122,6 +122,7 @@ class Piped:
     index: int = 0
     kinds: tuple[int, ...] = (FRESH,)
     matched: Cursor | None = None
+    rejected_at: int = 0  # greedy: the draft the last verdict rejected (1-based)
     # Paced, adaptive: a retune in flight or not yet reached (``Generation.retune``):
     # the draft's answer (the block it applies from) and the gamma asked for.
     retune: tuple[asyncio.Task, int] | None = None
@@ -824,7 +825,7 @@ class Generation:
         else:
             kind = expected[verdict.seed]
             if GUESS in expected.values():  # the block before was rejected
-                self.orch.cost.observe_guess_cover(kind == GUESS)
+                self.orch.cost.observe_guess_cover(kind == GUESS, pipe.rejected_at)
             if kind == FOLLOWER and pipe.matched is not None:  # the greedy block before matched
                 self.draft.cursor = pipe.matched
             drafts = verdict.drafts
@@ -857,6 +858,7 @@ class Generation:
                 pipe.matched = Cursor(draft_before.end + len(drafts), (verdict.bonus_token,))
             elif match and drafts:  # a rejection: the draft may have guessed its token
                 pipe.kinds = (FRESH, GUESS)
+                pipe.rejected_at = outcome.accepted + 1
             else:
                 pipe.kinds = (FRESH,)
             if kind != FRESH:  # this block was drafted while the one before was verified

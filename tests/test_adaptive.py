@@ -562,9 +562,10 @@ def test_a_pipelined_step_waits_for_the_draft_only_when_its_block_was_not_relaye
     ready = 0.8**4
     want = verify + (1 - ready) * wait
     assert m.step_cost(4, 0.8, True, calibrated=False, pipelined=True) == pytest.approx(want)
-    # Greedy: the follower chains with its bonus matched, and guesses cover rejections.
+    # Greedy: the follower chains with its bonus matched, and guesses cover rejections
+    # (a bonus the follower missed is no rejection, and no guess covers it).
     m.guess_cover.value = 0.7
-    ready = 0.8**5 + (1 - 0.8**5) * 0.7
+    ready = 0.8**5 + (1 - 0.8**4) * 0.7
     got = m.step_cost(4, 0.8, True, calibrated=False, match=True, pipelined=True)
     assert got == pytest.approx(verify + (1 - ready) * wait)
     assert m.rate(4, 0.8, True, pipelined=True) == pytest.approx(
@@ -614,6 +615,33 @@ def test_guesses_that_cover_greedy_rejections_make_greedy_pipelines_cheaper():
     assert m.rate(4, 0.7, True, pipelined=True) == pytest.approx(
         model(rtt=0.010).rate(4, 0.7, True, pipelined=True)
     )  # sampled pipelines relay no guesses
+
+
+def test_guesses_are_priced_by_the_position_rejected():
+    """The draft guesses at its first positions only: a rejection past them waits for a
+    fresh block whatever the share covered before them, so a long greedy block's
+    guesses are priced by where its rejections land (``covered_rejection``). Priced
+    with one share for every position, 8 drafts looked about as fast as 4."""
+    alpha = 0.7
+    flat, positional = model(rtt=0.010), model(rtt=0.010)
+    for _ in range(50):
+        flat.observe_guess_cover(True)
+        for j in (1, 2, 3, 4):
+            positional.observe_guess_cover(True, j)
+    # Nothing seen past position 4 yet: those positions take position 4's share.
+    assert positional.covered_rejection(8, alpha) == pytest.approx(1 - alpha**8)
+    for j in (5, 6):  # rejections there, never covered (the draft guesses at 4)
+        positional.observe_guess_cover(False, j)
+    assert positional.covered_rejection(4, alpha) == pytest.approx(1 - alpha**4)
+    assert positional.covered_rejection(8, alpha) == pytest.approx(1 - alpha**4)
+
+    def rate(m, g):
+        return m.rate(g, alpha, True, match=True, pipelined=True)
+
+    assert rate(positional, 4) == pytest.approx(rate(flat, 4))
+    assert rate(positional, 8) < 0.9 * rate(flat, 8)
+    g, overlap = positional.choose(alpha, 16, True, match=True, pipelined=True)
+    assert overlap and g < flat.choose(alpha, 16, True, match=True, pipelined=True)[0]
 
 
 def test_pipelined_steps_are_calibrated_as_their_own_kind():
