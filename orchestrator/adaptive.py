@@ -509,12 +509,12 @@ class CostModel:
         """The chance that a greedy pipelined block of ``gamma`` drafts is rejected and
         a guess covers the rejection: sum over positions j of a^(j-1) (1 - a) c_j,
         c_j the share of rejections at j covered. A position not yet seen takes the
-        nearest seen one's below it (``guess_cover`` where none is): a draft that
-        guesses further than it looks gets tried, and one rejection there is enough
-        to correct it. (One share for every position overrated long blocks: the
-        draft guesses at its first 4 positions by default, so a rejection past them
-        always waits for a fresh block, and by the share measured at 4 drafts, 8
-        looked as fast as 4 on the demo pair.)"""
+        nearest seen one's below it (below the first seen, that one's; ``guess_cover``
+        where none is): a draft that guesses further than it looks gets tried, and
+        one rejection there is enough to correct it. (One share for every position
+        overrated long blocks: the draft guesses at its first 4 positions by default,
+        so a rejection past them always waits for a fresh block, and by the share
+        measured at 4 drafts, 8 looked as fast as 4 on the demo pair.)"""
         c = self.guess_cover.value
         if self.guess_cover_at:
             first = min(self.guess_cover_at)
