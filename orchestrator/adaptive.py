@@ -616,12 +616,11 @@ class CostModel:
         that block was relayed ahead: the one that follows a block accepted in full
         (chance alpha^(gamma + match)) or, greedy, the guess for a rejection
         (``covered_rejection``: by the position rejected). Otherwise the step also
-        waits for the verdict's echo
-        to the draft, its drafting and the relay back: a round trip between the two
-        (the one to the draft stands for it) and the drafting. No round trip to this
-        orchestrator: nobody asks for the steps. ``pipelined`` without ``overlap``: a
-        paced step (``orchestrator.paced``), whose block is always drafted after the
-        verdict's echo and whose verify may run wide.
+        waits for the verdict's echo to the draft, its drafting and the relay back: a
+        round trip between the two (the one to the draft stands for it) and the
+        drafting. No round trip to this orchestrator: nobody asks for the steps.
+        ``pipelined`` without ``overlap``: a paced step (``orchestrator.paced``), whose
+        block is always drafted after the verdict's echo and whose verify may run wide.
 
         ``wide``: of a sequential step's verify, the share priced as a pass on the
         draft's cores too (``verify_cost``; ``Verify.draft_idle``)."""
