@@ -515,9 +515,9 @@ class Drafter(ModelService):
             await asyncio.wait([task])
 
     def retune_pipeline(self, session: Session, gamma: int) -> int:
-        """The running paced pipeline's blocks have ``gamma`` drafts from the next one
-        it decides on; returns that block's index (0: no paced pipeline runs, nothing
-        changed). The pipeline goes on."""
+        """The running pipeline's blocks have ``gamma`` drafts from the next one it
+        drafts on (``Pipeline.retune``); returns that block's index (0: no pipeline
+        runs, nothing changed). The pipeline goes on."""
         state: DraftState = session.extra
         if state.piped is None or state.pipeline is None or state.pipeline.done():
             return 0

@@ -149,13 +149,19 @@ class Pipeline:
         return block
 
     def retune(self, gamma: int) -> int:
-        """A paced pipeline's caller chose ``gamma`` (an adaptive request): the blocks
-        from ``next_block`` on have it; returns that index (0: not paced, unchanged).
-        The caller learns the index from the reply, so that both draw a block's
-        uniforms for the same number of drafts."""
-        if self.depth:
-            return 0
+        """The caller chose ``gamma`` (an adaptive request): every block drafted from
+        now on has it. Returns the index of the first block it applies to.
+
+        Paced: ``next_block``, the next block whose gamma is not decided yet; the
+        caller learns it from the reply, so that both draw a block's uniforms for
+        the same number of drafts. Drafting ahead: the block after the last one
+        relayed (a block of a lower index drafted later, the guess or fresh block
+        for a rejection, has it too). There the caller needs no index: it reads
+        each block's length from its verdict and draws that many uniforms, the
+        first of a longer block's (``step.pipeline_draws``)."""
         self.gamma = gamma
+        if self.depth and self.chain:
+            return self.chain[-1].index + 1
         return self.next_block
 
     async def run(self) -> None:

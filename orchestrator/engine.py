@@ -123,7 +123,7 @@ class Piped:
     kinds: tuple[int, ...] = (FRESH,)
     matched: Cursor | None = None
     rejected_at: int = 0  # greedy: the draft the last verdict rejected (1-based)
-    # Paced, adaptive: a retune in flight or not yet reached (``Generation.retune``):
+    # Adaptive: a retune in flight or (paced) not yet reached (``Generation.retune``):
     # the draft's answer (the block it applies from) and the gamma asked for.
     retune: tuple[asyncio.Task, int] | None = None
 
@@ -866,7 +866,7 @@ class Generation:
                 metrics.labelled(metrics.OVERLAPPED_STEPS, "used").inc()
             if not pipeline_gamma(left, pipe.gamma):  # the pipeline drafts no more
                 self.pipe = None
-            elif not pipe.depth:
+            else:
                 self.retune(pipe, left)
         t2 = time.perf_counter()
         self.observe(None, verdict, 0.0, t1 - t0, relayed=True)
@@ -889,21 +889,30 @@ class Generation:
         return outcome.tokens
 
     def retune(self, pipe: Piped, left: int) -> None:
-        """An adaptive request's choice after a paced step's verdict, as its next asked
-        step would make it (``left`` tokens still wanted): a gamma other than the
-        pipeline's is sent to the draft (``DraftLink.retune``), which drafts with it
+        """An adaptive request's choice after a verdict of its pipeline, as its next
+        asked step would make it (``left`` tokens still wanted): a gamma other than
+        the pipeline's is sent to the draft (``DraftLink.retune``), which drafts every
+        block after it with the new gamma. Paced (``orchestrator.paced_retune``):
         from its next undecided block on (the block after this verdict is drafted
-        already, as its echo came). One retune at a time; a choice of plain decoding
-        or of drafting ahead leaves the pipeline as it is."""
-        if not self.o.paced_retune or self.policy.gamma is not None or self.draft is None:
+        already, as its echo came), whose index it answers (``paced_gamma``).
+        Drafting ahead (``orchestrator.pipeline_retune``): this engine reads each
+        block's length from its verdict, so it waits for no answer. One retune at a
+        time; a choice of plain decoding, or of the other kind of step (drafting
+        ahead or not), leaves the pipeline as it is."""
+        on = self.o.pipeline_retune if pipe.depth else self.o.paced_retune
+        if not on or self.policy.gamma is not None or self.draft is None:
             return
         if pipe.retune is not None:
-            return
+            if not pipe.depth or not pipe.retune[0].done():  # (paced: ``paced_gamma``)
+                return
+            pipe.retune = None
         gamma, overlap = self.policy.choose(left - 1, self.plain_run(left))
         # (near the end the choice is cut to the tokens left, as the blocks are anyway)
-        if gamma and not overlap and gamma != min(pipe.gamma, left - 1):
+        if gamma and overlap == bool(pipe.depth) and gamma != min(pipe.gamma, left - 1):
             pipe.retune = (self.draft.retune(gamma), gamma)
             metrics.PIPELINE_RETUNES.inc()
+            if pipe.depth:
+                pipe.gamma = gamma
 
     async def paced_gamma(self, pipe: Piped, index: int) -> int | None:
         """The gamma the draft drafted the paced pipeline's block ``index`` with: the

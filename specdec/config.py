@@ -326,6 +326,11 @@ class OrchestratorConfig:
     pipeline: bool = False
     # ... drafting at most this many blocks ahead of the one being verified (1-4).
     pipeline_depth: int = 2
+    # ... and an adaptive request chooses gamma again after every verdict of its
+    # pipeline, sending a change to the draft (DraftRequest.retune), which drafts every
+    # block after it with the new gamma; off, it keeps the gamma chosen at the
+    # pipeline's first step until the pipeline ends.
+    pipeline_retune: bool = True
     # ... while at most this many requests generate at once (the orchestrator's
     # load; 0: at any load). A pipeline takes the draft's and the target's time
     # without being asked; above this load it stops and the request's steps are

@@ -161,7 +161,7 @@ OVERLAPPED_STEPS = Counter(
 PIPELINE_RETUNES = Counter(
     "specdec_pipeline_retunes_total",
     "Adaptive requests' changes of gamma sent to the draft pacing their steps "
-    "(orchestrator.paced; DraftRequest.retune).",
+    "(orchestrator.paced and orchestrator.pipeline; DraftRequest.retune).",
     registry=None,
 )
 RELAYED_STEPS = Counter(

@@ -364,16 +364,16 @@ def test_paced_with_every_draft_accepted(tmp_path, llama_pair):
         wait_for_zero_sessions(stack)
 
 
-def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pair, monkeypatch):
-    """An adaptive request (gamma unset) chooses its gamma after every paced verdict, as
-    its asked steps would, and sends a changed one to the draft, which drafts with it
-    from its next undecided block on and says which (``DraftRequest.retune``). Here an
-    orchestrator in this process, on the stack's draft and target services, has its
-    choices scripted (``RequestPolicy.choose`` cycling through gammas 2, 5, 1, 4, 3):
-    every verdict brings a retune. Greedy output stays ``generate()``'s; sampled
-    requests end with no step lost or decoded plain (a block whose uniforms the
-    orchestrator and the draft drew for different gammas would be: its seed would not
-    be the one the orchestrator waits for)."""
+def _retuned_requests(stack, llama_pair, monkeypatch, overlap: bool, setting: str) -> list[int]:
+    """Adaptive requests (gamma unset) of an orchestrator in this process, on the
+    stack's draft and target services, whose choices are scripted
+    (``RequestPolicy.choose`` cycling through gammas 2, 5, 1, 4, 3, drafting ahead or
+    not: ``overlap``): every verdict of their pipeline brings a retune. Greedy output
+    stays ``generate()``'s; sampled requests end with no step lost or decoded plain
+    (a block whose uniforms the orchestrator and the draft drew for different gammas
+    would be: its seed would not be the one the orchestrator waits for). Then, with
+    ``orchestrator.<setting>`` off, one greedy request sends no retune. Returns the
+    lengths of the blocks the first request's steps verified (its first gamma: 2)."""
     import asyncio
     import dataclasses
     import itertools
@@ -392,7 +392,14 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
     monkeypatch.setattr(
         adaptive.RequestPolicy,
         "choose",
-        lambda self, limit, run=1: (min(next(gammas), limit), False),
+        lambda self, limit, run=1: (min(next(gammas), limit), overlap),
+    )
+    lengths: list[int] = []
+    observe = adaptive.RequestPolicy.observe
+    monkeypatch.setattr(
+        adaptive.RequestPolicy,
+        "observe",
+        lambda self, drafted, accepted: (lengths.append(drafted), observe(self, drafted, accepted)),
     )
     config = Config(
         draft=ModelServiceConfig(model=str(draft_dir)),
@@ -400,10 +407,12 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
     )
     config.orchestrator = dataclasses.replace(
         config.orchestrator,
-        draft_address=paced.address("draft"),
-        target_address=paced.address("target"),
+        draft_address=stack.address("draft"),
+        target_address=stack.address("target"),
         relay_max_requests=0,
+        pipeline=overlap,
         pipeline_max_requests=0,
+        pipeline_min_rtt_ms=0.0,
         relay_timeout_s=5.0,
     )
 
@@ -433,7 +442,6 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
         return out
 
     retunes, lost = count(metrics.PIPELINE_RETUNES), count(metrics.RELAYED_STEPS, "lost")
-    fresh = _blocks(paced, "fresh")
     runs = asyncio.run(scenario(config))
     for temperature, (got, stats) in zip((0, 0, 1, 1), runs, strict=True):
         assert stats.adaptive and stats.fallback_steps == 0, stats
@@ -442,13 +450,36 @@ def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pa
             assert got == want
     assert count(metrics.RELAYED_STEPS, "lost") == lost  # (the two sides drew alike)
     assert count(metrics.PIPELINE_RETUNES) - retunes >= 10
-    assert _blocks(paced, "fresh") > fresh + 10
-    # ``orchestrator.paced_retune`` off: the pipeline keeps its first gamma.
-    config.orchestrator = dataclasses.replace(config.orchestrator, paced_retune=False)
+    retuned = lengths[: runs[0][1].steps]
+    # Off: the pipeline keeps its first gamma.
+    config.orchestrator = dataclasses.replace(config.orchestrator, **{setting: False})
     retunes = count(metrics.PIPELINE_RETUNES)
     [(got, stats)] = asyncio.run(scenario(config, (0.0,)))
     assert got == want and stats.adaptive and count(metrics.PIPELINE_RETUNES) == retunes
-    wait_for_zero_sessions(paced)
+    wait_for_zero_sessions(stack)
+    return retuned
+
+
+def test_adaptive_paced_requests_retune_the_draft_and_stay_exact(paced, llama_pair, monkeypatch):
+    """An adaptive request chooses its gamma after every paced verdict, as its asked
+    steps would, and sends a changed one to the draft, which drafts with it from its
+    next undecided block on and says which (``DraftRequest.retune``)."""
+    fresh = _blocks(paced, "fresh")
+    _retuned_requests(paced, llama_pair, monkeypatch, overlap=False, setting="paced_retune")
+    assert _blocks(paced, "fresh") > fresh + 10
+
+
+def test_adaptive_pipelined_requests_retune_and_stay_exact(piped, llama_pair, monkeypatch):
+    """The same for pipelines that draft ahead (``orchestrator.pipeline_retune``): the
+    draft drafts every block after a retune with the new gamma, and the orchestrator
+    reads each block's length from its verdict, so blocks of one pipeline come in
+    several lengths, drafted ahead or not."""
+    followers = _blocks(piped, "follower")
+    lengths = _retuned_requests(
+        piped, llama_pair, monkeypatch, overlap=True, setting="pipeline_retune"
+    )
+    assert _blocks(piped, "follower") > followers
+    assert len(set(lengths) - {0}) >= 3, lengths
 
 
 @pytest.mark.slow
