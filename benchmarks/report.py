@@ -677,9 +677,11 @@ def markdown(r: dict) -> str:
                 pr = point["rows"]
                 seq = _best(pr, t, "seq")
                 ovl = _best(pr, t, "ovl")
+                late = point.get("late_ms") or {}
+                late = f"; held chunks {late['p90']:.2f} ms late, p90" if late.get("chunks") else ""
                 rows.append(
                     [
-                        f"+{key} ms ({point['info_call_ms']:.2f} ms per small call)",
+                        f"+{key} ms ({point['info_call_ms']:.2f} ms per small call{late})",
                         label,
                         round(pr[f"plain@{t}"]["tok_s"], 1),
                         f"{seq[0].split('@')[0]} {seq[1]['tok_s']:.1f}",

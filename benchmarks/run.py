@@ -493,6 +493,11 @@ RTT_SETS = {"orchestrator.pipeline": "true"}
 
 
 def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
+    # The delay proxies stand for the network. Made here, after ``pin_stack``, their
+    # threads would inherit this process's pin and niceness (the draft's core, 10),
+    # and a held chunk would wait for the draft's work: they put themselves on every
+    # core at niceness 0 (``FaultProxy``), as the other benchmarks' proxies, made
+    # before any pin, always were. ``late_ms``: how late they forwarded.
     proxies = ProxyGroup()
     try:
         d_addr = proxies.add(stack.address("draft"))
@@ -511,8 +516,14 @@ def rtt_section(stack, plan: Plan, best_gamma: dict) -> dict:
                 else:
                     g = best_gamma[t]
                     configs |= spec_configs(t, [g])
+            proxies.lateness_ms()  # (from here)
             rows = measure(client, configs, prompts, plan.rtt_tokens, plan.rtt_repeats)
-            out[f"{rtt:g}"] = {"rtt_ms": rtt, "info_call_ms": info_rtt_ms(d_addr), "rows": rows}
+            out[f"{rtt:g}"] = {
+                "rtt_ms": rtt,
+                "late_ms": proxies.lateness_ms(),  # the emulation's own error, per hop
+                "info_call_ms": info_rtt_ms(d_addr),
+                "rows": rows,
+            }
             log(
                 f"  RTT +{rtt:g} ms: "
                 + ", ".join(
