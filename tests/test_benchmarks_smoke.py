@@ -593,3 +593,20 @@ def test_head_to_head_measures_one_process_beside_the_services(tmp_path, llama_p
     md = (tmp_path / "results.md").read_text()
     assert "| 15, one process: best gamma / assisted best k, greedy |" in md
     assert "| one process / three services, best gamma each, greedy |" in md
+
+
+def test_proxy_placement_writes_results(tmp_path):
+    """``benchmarks.proxy_placement`` on the demo pair, one round of one prompt: both
+    placements at niceness 0 measured, with the proxies' lateness and CPU."""
+    run_benchmark(
+        "benchmarks.proxy_placement", "--rtt-ms", "2", "--rounds", "1", "--configs",
+        "plain@0", "adaptive@0", "--prompts", "1", "--max-new-tokens", "4",
+        "--placements", "front-nice0", "free", "--out", str(tmp_path),
+    )  # fmt: skip
+    data = json.loads((tmp_path / "results.json").read_text())["rates"]
+    assert {p: len(v["adaptive@0"]) for p, v in data["rates"].items()} == {
+        "front-nice0": 1, "free": 1,
+    }  # fmt: skip
+    assert all(run["chunks"] > 0 for runs in data["late_ms"].values() for run in runs)
+    text = (tmp_path / "results.md").read_text()
+    assert "free / front-nice0" in text and "adaptive / plain at T=0" in text
