@@ -62,6 +62,32 @@ def configs_named(names: list[str]) -> dict[str, dict]:
     return {name: every[name] for name in names}
 
 
+def placements_table(
+    configs: list[str], order: list[str], rates: dict[str, dict[str, list[float]]]
+) -> tuple[list[str], dict[str, float]]:
+    """A markdown table of each configuration's median tok/s under each placement
+    (``rates[placement][config]``: a rate a round) and its ratio to the first
+    placement, paired by round (median and range); and those medians by
+    "config placement/first"."""
+    first, rest = order[0], order[1:]
+    lines = [
+        "| config | " + " | ".join(order) + " | " + " | ".join(f"{p} / {first}" for p in rest)
+        + " |",
+        "|---" * (1 + len(order) + len(rest)) + "|",
+    ]  # fmt: skip
+    summary = {}
+    for name in configs:
+        med = {p: statistics.median(rates[p][name]) for p in order}
+        cells = []
+        for p in rest:
+            each = ratios(rates[p][name], rates[first][name])
+            cells.append(f"{statistics.median(each):.3f} ({min(each):.2f}-{max(each):.2f})")
+            summary[f"{name} {p}/{first}"] = statistics.median(each)
+        lines.append(f"| {name} | " + " | ".join(f"{med[p]:.1f}" for p in order) + " | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return lines, summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -114,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         unpin_stack(stack)
         stack.stop()
     info["load_average_end"] = list(os.getloadavg())
-    first, rest = order[0], order[1:]
+    first = order[0]
     cores_named = {
         frozenset({DRAFT_CORE}): "the draft's core",
         frozenset({TARGET_CORE}): "the target's",
@@ -134,29 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         + "; ".join(f"`{n}`: {w}" for n, w in where.items())
         + f". tok/s medians; ratios to `{first}` paired by round (median, range).",
     )
-    lines += [
-        "| config | "
-        + " | ".join(order)
-        + " | "
-        + " | ".join(f"{p} / {first}" for p in rest)
-        + " |",
-        "|---" * (1 + len(order) + len(rest)) + "|",
-    ]
-    summary = {}
-    for name in configs:
-        med = {p: statistics.median(rates[p][name]) for p in order}
-        cells = []
-        for p in rest:
-            each = ratios(rates[p][name], rates[first][name])
-            cells.append(f"{statistics.median(each):.2f} ({min(each):.2f}-{max(each):.2f})")
-            summary[f"{name} {p}/{first}"] = statistics.median(each)
-        lines.append(
-            f"| {name} | "
-            + " | ".join(f"{med[p]:.1f}" for p in order)
-            + " | "
-            + " | ".join(cells)
-            + " |"
-        )
+    table, summary = placements_table(list(configs), order, rates)
+    lines += table
     save_side_by_side(out, lines, info, rates, summary)
     return 0
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .common import PROMPTS, Client, machine_info
-from .placement import configs_named
+from .placement import configs_named, placements_table
 from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import (
     DRAFT_CORE,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         client.close()
     info["load_average_end"] = list(os.getloadavg())
-    first, rest = order[0], order[1:]
+    first = order[0]
     lines = side_by_side_header(
         "Where the delay proxies run",
         info,
@@ -126,21 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "proxies: " + "; ".join(f"`{p}`: {_where(p)}" for p in order) + ". tok/s medians; "
         f"ratios to `{first}` paired by round (median, range).",
     )
-    lines += [
-        "| config | " + " | ".join(order) + " | " + " | ".join(f"{p} / {first}" for p in rest)
-        + " |",
-        "|---" * (1 + len(order) + len(rest)) + "|",
-    ]  # fmt: skip
-    summary: dict[str, dict] = {}
-    for name in configs:
-        med = {p: statistics.median(rates[p][name]) for p in order}
-        cells = []
-        for p in rest:
-            each = ratios(rates[p][name], rates[first][name])
-            cells.append(f"**{statistics.median(each):.3f}** ({min(each):.2f}-{max(each):.2f})")
-        summary[name] = med
-        lines.append(f"| {name} | " + " | ".join(f"{med[p]:.1f}" for p in order) + " | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+    table, summary = placements_table(list(configs), order, rates)
+    lines += table
     lines += [
         "",
         "How late the proxies forwarded held chunks (ms past the hold; each run's median "
