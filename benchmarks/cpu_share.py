@@ -55,9 +55,10 @@ REQUESTS = 2  # per client and round
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of every thread of process ``pid``."""
-    with open(f"/proc/{pid}/stat") as f:
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of every thread of process ``pid`` (of its thread
+    ``tid`` alone, if given)."""
+    with open(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
 

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from .common import PROMPTS, Client, machine_info
+from .cpu_share import cpu_seconds
 from .placement import configs_named, placements_table
 from .plain_runs import ratios, save_side_by_side, side_by_side_header
 from .run import (
@@ -63,12 +64,7 @@ def place(proxies, where: str) -> None:
 
 def cpu_s(proxies) -> float:
     """CPU seconds the proxies' threads have used."""
-    total = 0.0
-    for proxy in proxies.proxies:
-        with open(f"/proc/self/task/{proxy._thread.native_id}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(cpu_seconds(os.getpid(), p._thread.native_id) for p in proxies.proxies)
 
 
 def main(argv: list[str] | None = None) -> int:

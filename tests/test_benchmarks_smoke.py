@@ -2,8 +2,8 @@
 
 ``python -m benchmarks.run --quick`` on the tiny random pair must write
 results.json with the expected sections, results.md with its tables, and the
-PNG plots; the delay proxy must forward bytes unchanged and add its delay; every
-other benchmark runs one short round and writes its report. They run inside this
+PNG plots; every other benchmark runs one short round and writes its report (the
+delay proxy's own tests: ``tests/test_proxy.py``). They run inside this
 process where it may renice itself back (``tests/benchrun.py``).
 """
 
@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
-from specdec.local.proxy import ProxyGroup
 from specdec.local.stack import pin_process
 
 from .benchrun import REPO, run_benchmark
@@ -111,54 +107,6 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     for name in results["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert name in md
-
-
-def _echo_server() -> tuple[socket.socket, int]:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    while data := conn.recv(65536):
-                        conn.sendall(data)
-                except OSError:  # the proxy under test reset the connection: the next one
-                    continue
-
-    threading.Thread(target=serve, daemon=True).start()
-    return srv, srv.getsockname()[1]
-
-
-def test_delay_proxy_forwards_and_delays():
-    srv, port = _echo_server()
-    proxies = ProxyGroup()
-    try:
-        host, pport = proxies.add(f"127.0.0.1:{port}").rsplit(":", 1)
-        payload = bytes(range(256)) * 1000
-        for rtt_ms in (0.0, 40.0):
-            proxies.set_rtt_ms(rtt_ms)
-            with socket.create_connection((host, int(pport))) as c:
-                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                t0 = time.perf_counter()
-                c.sendall(b"x")
-                assert c.recv(1) == b"x"
-                elapsed = time.perf_counter() - t0
-                if rtt_ms:
-                    assert elapsed >= rtt_ms / 1000 * 0.95
-                c.sendall(payload)
-                got = b""
-                while len(got) < len(payload):
-                    got += c.recv(65536)
-                assert got == payload
-    finally:
-        proxies.close()
-        srv.close()
 
 
 def test_against_compares_with_an_older_checkout_as_separate_machines(tmp_path, llama_pair):

@@ -57,6 +57,30 @@ def _recv_exactly(s: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+def test_delay_proxy_forwards_and_delays(echo: int) -> None:
+    proxies = ProxyGroup()
+    try:
+        host, pport = proxies.add(f"127.0.0.1:{echo}").rsplit(":", 1)
+        payload = bytes(range(256)) * 1000
+        for rtt_ms in (0.0, 40.0):
+            proxies.set_rtt_ms(rtt_ms)
+            with socket.create_connection((host, int(pport))) as c:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t0 = time.perf_counter()
+                c.sendall(b"x")
+                assert c.recv(1) == b"x"
+                elapsed = time.perf_counter() - t0
+                if rtt_ms:
+                    assert elapsed >= rtt_ms / 1000 * 0.95
+                c.sendall(payload)
+                got = b""
+                while len(got) < len(payload):
+                    got += c.recv(65536)
+                assert got == payload
+    finally:
+        proxies.close()
+
+
 def test_delay_holds_every_chunk_in_order_and_counts_its_lateness(echo: int) -> None:
     group = ProxyGroup()
     try:

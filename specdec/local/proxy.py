@@ -69,7 +69,8 @@ class _Pipe:
                 if not data:
                     break
                 self.buffer.append((self.loop.time(), data))
-                self.flush()
+                if self.timer is None:  # (an armed timer forwards it after those before)
+                    self.flush()
                 if self.writer.transport.get_write_buffer_size() > _HIGH_WATER:
                     await self.writer.drain()  # (a slow reader holds this side back)
         except (ConnectionError, OSError):
