@@ -11,7 +11,7 @@ from specdec.config import REPO_ROOT
 from specdec.runtime.loading import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.sampling import SamplingParams, acceptance_rate, probs_from_logits
 
-from .stack import drafted_on, local_stack
+from .stack import drafted_on, guesses_used, local_stack
 from .test_greedy import reference
 
 DEMO = REPO_ROOT / "models" / "demo"
@@ -33,6 +33,15 @@ def pair():
     return draft, target
 
 
+def head_starts(stack) -> float:
+    """Blocks the draft drafted before the orchestrator asked for them, and that were
+    used: paced (fresh pipeline blocks), drafted on the target's echo (``draft_on``),
+    drafted ahead during a verify, or guessed for a rejection (``draft.guesses``)."""
+    fresh = stack.metric("draft", "specdec_model_pipeline_blocks_total", 'kind="fresh"')
+    ahead = stack.metric("orchestrator", "specdec_overlapped_steps_total", 'outcome="used"')
+    return fresh + drafted_on(stack, "used") + ahead + guesses_used(stack)
+
+
 def test_tokenizers_agree(pair):
     draft_tok, target_tok = (load_tokenizer(str(d)) for d in pair)
     assert tokenizer_fingerprint(draft_tok) == tokenizer_fingerprint(target_tok)
@@ -52,27 +61,28 @@ def test_greedy_through_pipeline_equals_target_generate(tmp_path, pair):
             assert got == want
             assert stats.accepted_tokens > 0
             assert any(c.isalpha() for c in text)
-        # Adaptive requests (gamma and seed unset) on a pair worth speculating with. The
-        # draft drafts each next step on the target's echo, and an adaptive request
-        # fixes that step's gamma when it asks for it: every head start is used, none
-        # drafted for a gamma the next step then does not ask for.
-        used, discarded = (drafted_on(stack, o) for o in ("used", "discarded"))
+        # Adaptive requests (gamma and seed unset) on a pair worth speculating with: the
+        # draft starts each next block before it is asked (``head_starts``; which way is
+        # the policy's choice, from measured times). An adaptive request fixes the next
+        # step's gamma when it asks the draft to draft on: none is drafted for a gamma
+        # that step then does not ask for.
+        started, discarded = head_starts(stack), drafted_on(stack, "discarded")
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
             got, _, stats = stack.generate_raw(prompt=ids, max_new_tokens=48, temperature=0.0)
             assert got == reference(pair[1], ids, 48) and stats.adaptive
-        assert drafted_on(stack, "used") > used
+        assert head_starts(stack) >= started + len(PROMPTS)
         assert drafted_on(stack, "discarded") == discarded
         # Drafting ahead, greedy: the draft also drafts the next block for rejections,
         # from its second choice (draft.guesses); on this pair many are right.
-        guessed = stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
+        guessed = guesses_used(stack)
         for prompt in PROMPTS[:2]:
             ids = tok.encode(prompt)
             got, _, stats = stack.generate_raw(
                 prompt=ids, max_new_tokens=48, temperature=0.0, gamma=4, overlap=True
             )
             assert got == reference(pair[1], ids, 48)
-        used_now = stack.metric("draft", "specdec_model_draft_guesses_total", 'outcome="used"')
+        used_now = guesses_used(stack)
         assert used_now >= guessed + 4
 
 
