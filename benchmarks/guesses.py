@@ -4,7 +4,8 @@ the target verifies (``draft.guesses`` for greedy steps that draft ahead,
 them (both 0).
 
     python -m benchmarks.guesses [--repeats 5] [--parts pinned shared]
-        [--clients 4] [--off-first] [--modes ...] [--out results/guesses-<time>]
+        [--clients 4] [--off-first] [--modes ...] [--prompts 8] [--max-new-tokens 64]
+        [--out results/guesses-<time>]
 
 Two stacks of the demo pair, one thread per service, that differ only in
 those two settings; only one serves at a time. ``pinned``: each stack as
@@ -58,6 +59,8 @@ ARMS = {  # draft.guesses, draft.sampled_guesses
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=8, help="per round, in turn")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
     ap.add_argument("--parts", nargs="*", default=["pinned", "shared"])
     ap.add_argument(
         "--clients",
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                     unpin_stack(stack)
             configs = {
                 f"{arm} {mode} {part}": (
-                    lambda r, a=stack.orchestrator_address, f=fields: one_client(a, f, r)
+                    lambda r, a=stack.orchestrator_address, f=fields: one_client(
+                        a, f, r, args.prompts, args.max_new_tokens
+                    )
                 )
                 for arm, stack in stacks.items()
                 for mode, fields in MODES.items()
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             configs = {
                 f"{arm} x{n}": (
                     lambda r, a=stack.orchestrator_address, n=n: clients_round(
-                        a, n, ahead, PROMPTS, 3, MAX_NEW, r
+                        a, n, ahead, PROMPTS[: args.prompts], 3, args.max_new_tokens, r
                     )[0]
                 )
                 for arm, stack in stacks.items()
@@ -123,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         info,
         f"{args.repeats} interleaved rounds after a warm-up run; medians, and the median of "
         "the paired per-round ratios. on = `draft.guesses: 4` (the default) and "
-        "`draft.sampled_guesses: 4`, off = both 0; one client, 8 prompts x 64 tokens, one "
-        "thread per service.",
+        f"`draft.sampled_guesses: 4`, off = both 0; one client, {args.prompts} prompts x "
+        f"{args.max_new_tokens} tokens, one thread per service.",
     ) + [
         "| | on tok/s | off tok/s | on / off (paired) | ahead / sequential, on | off "
         "| the two, on / off (paired) |",

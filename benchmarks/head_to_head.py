@@ -17,7 +17,7 @@ other): assisted generation with 1 thread on the target's core (what a user
 with only the target's machine gets) against sequential and overlapped
 speculation at ``--gammas`` (issue 10). Stock transformers, as a user runs it.
 
-Every configuration runs the 8 prompts x 64 tokens once to warm up, then
+Every configuration runs the prompts (8 x 64 tokens) once to warm up, then
 ``--rounds`` rounds of all of a part's configurations, the order rotating; a
 rate is tokens over the seconds of the prompts' calls. Each criterion is the
 median of its per-round ratios: plain / ``generate()`` in the same round;
@@ -274,8 +274,9 @@ def report(result: dict) -> str:
     lines = side_by_side_header(
         "Head to head with transformers, round by round",
         info,
-        f"{result['rounds']} rounds after a warm-up, configurations rotating; 8 prompts x "
-        "64 tokens; medians.",
+        f"{result['rounds']} rounds after a warm-up, configurations rotating; "
+        f"{result.get('prompts', 8)} prompts x {result.get('max_new_tokens', 64)} tokens; "
+        "medians.",
     )
     lines += [
         "| criterion | goal | median of per-round values | rounds | met in rounds |",
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="*", default=["shared", "pinned"],
                     choices=["shared", "pinned"])  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="per round, in turn")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="per request")
     ap.add_argument("--ks", type=int, nargs="*", default=[3, 4, 5, 6])
     ap.add_argument("--gammas", type=int, nargs="*", default=[2, 3, 4, 5])
     ap.add_argument("--temperatures", type=float, nargs="*", default=[0.0, 1.0])
@@ -369,9 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    c = Choices(list(PROMPTS), MAX_NEW, args.rounds, args.ks, args.gammas, args.temperatures)
+    prompts, max_new = list(PROMPTS[: args.prompts]), args.max_new_tokens
+    c = Choices(prompts, max_new, args.rounds, args.ks, args.gammas, args.temperatures)
     result: dict = {"machine": machine_info("cpu"), "rounds": args.rounds}
-    hf = Transformers(analyze_mod.load_pair(args.draft, args.target), c.prompts, MAX_NEW)
+    result |= {"prompts": len(prompts), "max_new_tokens": max_new}
+    hf = Transformers(analyze_mod.load_pair(args.draft, args.target), prompts, max_new)
     stack = start_services(out / "stack", args.draft, args.target, threads=1, draft_threads=1)
     try:
         result["parts"] = run_parts(stack, hf, args.parts, c, args.one_process)

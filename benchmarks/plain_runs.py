@@ -36,10 +36,12 @@ MAX_NEW = 64
 CLIENTS = 8
 
 
-def one_client(address: str, fields: dict, r: int) -> float:
-    """The prompts one after the other through one orchestrator: tok/s."""
+def one_client(
+    address: str, fields: dict, r: int, prompts: int = 8, max_new_tokens: int = MAX_NEW
+) -> float:
+    """The first ``prompts`` prompts one after the other through one orchestrator: tok/s."""
     c = Client(address)
-    t = _run_prompts(c, PROMPTS[:8], MAX_NEW, fields, r)
+    t = _run_prompts(c, PROMPTS[:prompts], max_new_tokens, fields, r)
     c.close()
     return t["tokens"] / t["wall_s"]
 

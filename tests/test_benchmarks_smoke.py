@@ -477,14 +477,16 @@ def test_guesses_side_by_side_writes_results(tmp_path):
     stacks measured, only the one with guesses guessed, and the report has the row."""
     run_benchmark(
         "benchmarks.guesses", "--parts", "shared", "--modes", "gamma 4 ahead@0",
-        "--clients", "--repeats", "1", "--out", str(tmp_path)
+        "--clients", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "24",
+        "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["median"]["on gamma 4 ahead@0 shared"] > 0
     assert result["median"]["off gamma 4 ahead@0 shared"] > 0
     guesses = result["machine"]["guesses"]
     assert guesses["on"]["used"] > 0 and guesses["off"] == {"used": 0.0, "unused": 0.0}
-    assert "| gamma 4 ahead, greedy, shared |" in (tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "| gamma 4 ahead, greedy, shared |" in md and "2 prompts x 24 tokens" in md
 
 
 def test_guess_rates_writes_results(tmp_path, llama_pair):
@@ -533,7 +535,7 @@ def test_head_to_head_measures_one_process_beside_the_services(tmp_path, llama_p
     run_benchmark(
         "benchmarks.head_to_head", "--draft", str(draft), "--target", str(target),
         "--parts", "shared", "--one-process", "--rounds", "1", "--ks", "3", "--gammas", "2",
-        "--temperatures", "0", "--out", str(tmp_path)
+        "--temperatures", "0", "--prompts", "2", "--max-new-tokens", "8", "--out", str(tmp_path)
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     rates = result["parts"]["shared"]["rates"]
@@ -541,6 +543,7 @@ def test_head_to_head_measures_one_process_beside_the_services(tmp_path, llama_p
     md = (tmp_path / "results.md").read_text()
     assert "| 15, one process: best gamma / assisted best k, greedy |" in md
     assert "| one process / three services, best gamma each, greedy |" in md
+    assert "2 prompts x 8 tokens" in md
 
 
 def test_proxy_placement_writes_results(tmp_path):
