@@ -285,6 +285,22 @@ def criteria(r: dict) -> list[dict]:
                     ),
                 )
             )
+            # The second half: where drafting ahead cannot help, adaptive requests
+            # turn it off, and lose nothing to the best sequential gamma.
+            adaptive = rows.get(f"adaptive@{t}")
+            if adaptive is not None:
+                share = adaptive.get("overlapped_share", 0.0)
+                out.append(
+                    _check(
+                        f"10: shared cores: adaptive (drafting ahead in {100 * share:.0f}% "
+                        f"of its steps) / best sequential, {label}",
+                        adaptive["tok_s"] / s[t]["best_seq"]["tok_s"],
+                        0.95,
+                        rounds=paired_ratios(
+                            _runs(adaptive), _runs(rows.get(s[t]["best_seq"]["name"]))
+                        ),
+                    )
+                )
     rtt = r.get("rtt", {})
     for key, point in rtt.items():
         rows_ = point["rows"]

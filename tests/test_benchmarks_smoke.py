@@ -82,6 +82,9 @@ def test_quick_run_writes_results(tmp_path, llama_pair):
     assert len(front) == 4 and all(row["tok_s"] > 0 for row in front.values())
     assert {name[:3] for name in front} == {"seq", "ovl"}
     assert any("orchestrator on the target's core" in c["criterion"] for c in results["criteria"])
+    # where drafting ahead cannot help (shared cores), adaptive against the best sequential
+    assert sum("shared cores: adaptive (drafting ahead in" in c["criterion"]
+               for c in results["criteria"]) == 2  # fmt: skip
     h2h = results["head_to_head"]  # transformers and the services in the same rounds
     assert set(h2h) == {"shared", "pinned"}
     assert all(len(v) == 1 and v[0] > 0 for part in h2h.values() for v in part["rates"].values())
