@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from specdec import kernels
 from specdec.errors import NonFiniteLogits
 from specdec.rng import Philox
 from specdec.sampling import SamplingParams, SparseQ
@@ -199,12 +200,27 @@ def derive_q(
     """The q of each position from its hidden-state codes, identical on every machine.
 
     codes: [n, d] int8; scales: [n] (float32 values). Not for greedy requests (their
-    q is a point: ``SparseQ.point``)."""
-    # In place from here on, each step one correctly rounded float64 operation per entry.
-    z = head.product(np.asarray(codes)).cpu().numpy().astype(np.float64)  # [n, vocab]
-    z *= head.scales[None, :]
-    z *= np.asarray(scales, np.float64)[:, None]
+    q is a point: ``SparseQ.point``). The work after the product is one compiled loop
+    per step (``kernels.hidden_steps``, ``kernels.hidden_counts``), bit for bit
+    ``_steps`` and ``_to_q``'s numpy, which it replaces with ``SPECDEC_KERNELS=0``."""
+    z = head.product(np.asarray(codes)).cpu().numpy()  # [n, vocab] integers
+    scales = np.asarray(scales, np.float64)
     t = float(np.float32(params.temperature))
+    if kernels.ENABLED:
+        steps = np.empty(z.shape, dtype=np.int64)
+        kernels.hidden_steps(z, head.scales, scales, t, float(_GRID), len(_TABLE) - 1, steps)
+    else:
+        steps = _steps(z, head.scales, scales, t)
+    return [_to_q(row, params) for row in steps]
+
+
+def _steps(z: np.ndarray, head_scales: np.ndarray, scales: np.ndarray, t: float) -> np.ndarray:
+    """Each token's grid steps below its row's maximum: [n, vocab] from the code
+    products z [n, vocab] (the reference of ``kernels.hidden_steps``)."""
+    # In place from here on, each step one correctly rounded float64 operation per entry.
+    z = z.astype(np.float64)
+    z *= head_scales[None, :]
+    z *= scales[:, None]
     if t != 1.0:
         z /= t
     steps = np.subtract(z.max(axis=1, keepdims=True), z, out=z)  # [n, vocab] >= 0
@@ -212,7 +228,7 @@ def derive_q(
     np.rint(steps, out=steps)
     np.minimum(steps, len(_TABLE) - 1, out=steps)
     # Grid steps below each row's maximum: the weight of a token is _TABLE[its step].
-    return [_to_q(row, params) for row in steps.astype(np.intp)]
+    return steps.astype(np.intp)
 
 
 def _to_q(steps: np.ndarray, params: SamplingParams) -> SparseQ:
@@ -221,10 +237,18 @@ def _to_q(steps: np.ndarray, params: SamplingParams) -> SparseQ:
 
     _TABLE falls strictly, so tokens rank by step (ties by id), and each count is a
     function of its step alone: the work per token is a tally of the steps, one
-    gather and one comparison; the rest is per table entry."""
+    gather and one comparison; the rest is per table entry. Without top-k and top-p,
+    with the kernels on: ``kernels.hidden_counts``, the same counts."""
     vocab = steps.shape[0]
+    cut = (0 < params.top_k < vocab) or params.top_p < 1.0
+    if kernels.ENABLED and not cut:
+        counts = np.empty(vocab, dtype=np.int64)
+        if kernels.hidden_counts(steps, _TABLE, _TABLE_F64, BITS, counts):
+            return SparseQ(np.arange(vocab), counts, 0, vocab, BITS)
+        ids = np.flatnonzero(counts)
+        return SparseQ(ids, counts[ids], 0, vocab, BITS)
     tally = np.bincount(steps, minlength=len(_TABLE))  # [len(_TABLE)] tokens per step
-    if (0 < params.top_k < vocab) or params.top_p < 1.0:
+    if cut:
         steps, tally = _top_k_top_p(steps, tally, params)
     total = int(tally @ _TABLE)  # exact: below 2^40 * vocab < 2^63
     per_step = np.floor(_TABLE_F64 * (float(1 << BITS) / float(total)))

@@ -9,7 +9,9 @@ compiler for numeric Python, does what a C extension would without a compiler on
 the user's machine; its machine code is cached on disk next to this file (or in
 NUMBA_CACHE_DIR). On the draft, ``draft_q`` makes each drafted position's q and
 draws from it, and ``encode_q`` puts them on the wire; on the target ``decode_q``
-decodes and checks them, and ``judge`` does the step's judging.
+decodes and checks them, and ``judge`` does the step's judging. On both sides of
+the hidden-state wire, ``hidden_steps`` and ``hidden_counts`` derive q from the
+code products (``specdec.hidden_q``), bit for bit as its numpy reference does.
 
 Each kernel has a reference in numpy and torch (``specdec.sampling``,
 ``specdec.wire``) that ``tests/test_kernels.py`` compares it with: the codec's
@@ -365,6 +367,72 @@ def _take(values: np.ndarray, escapes: np.ndarray, k: int, n: int) -> tuple[int,
     return escapes[n], n + 1
 
 
+@njit(cache=True, nogil=True)
+def hidden_steps(
+    z: np.ndarray,
+    head_scales: np.ndarray,
+    scales: np.ndarray,
+    t: float,
+    grid: float,
+    last: int,
+    out: np.ndarray,
+) -> None:
+    """``hidden_q.derive_q``'s grid steps, the same float64 operations in the same
+    order as its numpy reference (so the same bits): z [n, vocab], the code products
+    (integers in float32 or float64); head_scales [vocab]; scales [n]; t the
+    temperature (1.0: no division). out [n, vocab] int64: each token's steps below
+    its row's maximum, rint((max - z) * grid), at most ``last``."""
+    n, vocab = z.shape
+    w = np.empty(vocab)  # a row of z, scaled
+    for i in range(n):
+        s = scales[i]
+        top = -np.inf
+        for j in range(vocab):
+            v = (np.float64(z[i, j]) * head_scales[j]) * s
+            if t != 1.0:
+                v = v / t
+            w[j] = v
+            if v > top:
+                top = v
+        for j in range(vocab):
+            x = np.rint((top - w[j]) * grid)
+            out[i, j] = last if x > last else np.int64(x)
+
+
+@njit(cache=True, nogil=True)
+def hidden_counts(
+    steps: np.ndarray, table: np.ndarray, table_f64: np.ndarray, bits: int, counts: np.ndarray
+) -> bool:
+    """A derived q's counts out of 2^bits from one row of ``hidden_steps`` ([vocab]),
+    as ``hidden_q._to_q`` makes them without top-k / top-p: each token the count of
+    its step (table[step] scaled down, floored), the leftover to the first maximum.
+    counts [vocab] (out). Returns whether every token has a count."""
+    vocab, size = steps.shape[0], table.shape[0]
+    tally = np.zeros(size, dtype=np.int64)  # tokens per step
+    lead, low = 0, steps[0]
+    for j in range(vocab):
+        k = steps[j]
+        tally[k] += 1
+        if k < low:
+            lead, low = j, k
+    total = np.int64(0)
+    for k in range(size):
+        total += tally[k] * table[k]
+    factor = np.float64(np.int64(1) << bits) / np.float64(total)
+    per_step = np.empty(size, dtype=np.int64)
+    used = np.int64(0)
+    covered = 0
+    for k in range(size):
+        per_step[k] = np.int64(np.floor(table_f64[k] * factor))
+        used += tally[k] * per_step[k]
+        if per_step[k] > 0:
+            covered += tally[k]
+    for j in range(vocab):
+        counts[j] = per_step[steps[j]]
+    counts[lead] += (np.int64(1) << bits) - used
+    return covered == vocab
+
+
 def warm() -> None:
     """Compile (or load from the disk cache) every kernel for the dtypes a service
     meets, so that no request pays for it: a service calls this as it starts.
@@ -392,3 +460,8 @@ def warm() -> None:
     none = np.zeros(0, dtype=np.int64)
     meta = np.array([1, 0, 1], dtype=np.int64)
     decode_q(one, none, np.frombuffer(b"\x01", np.uint8), none, meta, 4, 1, ids[:1], counts[:1])
+    steps = np.empty((1, 2), dtype=np.int64)
+    for dtype in (np.float32, np.float64):  # (the hidden-state wire's product)
+        hidden_steps(np.ones((1, 2), dtype=dtype), np.ones(2), np.ones(1), 1.0, 16.0, 3, steps)
+    table = np.array([4, 2, 1, 0], dtype=np.int64)
+    hidden_counts(steps[0], table, table.astype(np.float64), 4, np.empty(2, dtype=np.int64))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specdec import kernels
@@ -350,3 +350,51 @@ def test_compiled_encoding_escapes_at_255_exactly():
     assert pb.id_deltas == bytes([255, 255, 254, 255, 1, 2]) and pb.counts[:4] == bytes(
         [254, 255, 255, 255]
     )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    vocab=st.sampled_from([1, 2, 7, 409, 4096]),
+    d=st.sampled_from([4, 160, 1100]),  # (above 1040 the products are float64)
+    rows=st.integers(1, 6),
+    temperature=st.sampled_from([1.0, 0.7, 1.3, 0.05, 20.0]),
+    top_k=st.sampled_from([0, 3]),
+    top_p=st.sampled_from([1.0, 0.8]),
+    spread=st.sampled_from([0.0, 1.0, 1000.0]),
+    pairs=st.booleans(),
+)
+@example(seed=1, vocab=7, d=4, rows=2, temperature=1.0, top_k=0, top_p=1.0, spread=0.0, pairs=False)
+@example(seed=2, vocab=409, d=160, rows=3, temperature=0.7, top_k=0, top_p=1.0, spread=1.0,
+         pairs=True)  # fmt: skip
+@example(seed=3, vocab=4096, d=160, rows=2, temperature=0.05, top_k=0, top_p=1.0,
+         spread=1000.0, pairs=False)  # fmt: skip
+def test_the_compiled_hidden_state_q_is_the_references_bit_for_bit(
+    seed, vocab, d, rows, temperature, top_k, top_p, spread, pairs
+):
+    """``derive_q`` with the kernels gives every position the same ids and counts as
+    its numpy reference: the hidden-state wire's draft and target may run either, so
+    the two must agree to the last bit, with and without top-k / top-p, from equal
+    logits (spread 0: every token at one step; ``pairs``: rows of the head repeated,
+    so that tokens tie, at the maximum too, where the leftover goes to the first) to
+    rows where most tokens weigh 0."""
+    from specdec.hidden_q import QuantHead, derive_q
+
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, d, generator=g) * spread
+    if pairs:
+        weight[1::2] = weight[: vocab // 2 * 2 : 2]
+    head = QuantHead.from_weight(weight)
+    codes = torch.randint(-127, 128, (rows, d), generator=g).numpy().astype(np.int8)
+    scales = np.float32(torch.rand(rows, generator=g).numpy() * 0.1).astype(np.float64)
+    params = SamplingParams(temperature, top_k=top_k, top_p=top_p)
+    ours = derive_q(head, codes, scales, params)
+    kernels.ENABLED = False
+    try:
+        ref = derive_q(head, codes, scales, params)
+    finally:
+        kernels.ENABLED = True
+    for a, b in zip(ours, ref, strict=True):
+        assert a.ids.tolist() == b.ids.tolist() and a.counts.tolist() == b.counts.tolist()
+        assert (a.tail, a.vocab, a.bits) == (b.tail, b.vocab, b.bits)
+        assert int(a.counts.sum()) + a.tail == 2**a.bits
