@@ -167,13 +167,22 @@ def median(xs: list[float]) -> float:
 
 
 # ---- measuring one set of configurations --------------------------------------------------
+def seeded(fields: dict, seed: int) -> dict:
+    """A request's fields with ``seed`` added, unless they name a seed (None: unseeded)
+    or leave gamma to the orchestrator (``"gamma": None``). The orchestrator chooses
+    gamma only for a request with neither gamma nor seed; a seeded one, reproducible,
+    takes the default gamma (``orchestrator.gamma``), and an "adaptive" row given a
+    seed would measure that instead."""
+    if "seed" in fields or ("gamma" in fields and fields["gamma"] is None):
+        return dict(fields)
+    return {**fields, "seed": seed}
+
+
 def _run_prompts(client: Client, prompts, max_new_tokens: int, fields: dict, repeat: int):
     """The prompts one after the other; totals over them."""
     total: dict[str, float] = {}
     for j, prompt in enumerate(prompts):
-        f = dict(fields)
-        if "seed" not in f:  # seeded: the same draws every repeat (adaptive ones say seed None)
-            f["seed"] = 1000 * repeat + j
+        f = seeded(fields, 1000 * repeat + j)  # the same draws every repeat
         r = client.generate(prompt, max_new_tokens, **f)
         for k, v in r.items():
             if isinstance(v, int | float):
@@ -545,7 +554,7 @@ def clients_round(
 ) -> tuple[float, list[float]]:
     """n clients at once, each sending ``requests`` requests one after the other:
     (aggregate tok/s, every request's latency). Seeded per client and request
-    unless ``fields`` has a seed (None: unseeded)."""
+    (``seeded``)."""
     latencies: list[float] = []
     lock = threading.Lock()
     barrier = threading.Barrier(n)
@@ -555,9 +564,7 @@ def clients_round(
         barrier.wait()
         tokens = 0
         for k in range(requests):
-            f = dict(fields)
-            if "seed" not in f:
-                f["seed"] = 10_000 * r + 100 * i + k
+            f = seeded(fields, 10_000 * r + 100 * i + k)
             res = c.generate(prompts[(i + k) % len(prompts)], max_new_tokens, **f)
             tokens += res["tokens"]
             with lock:
@@ -594,9 +601,7 @@ def sustained_round(
             time.sleep(0.001)
         k = 0
         while time.perf_counter() < hi:
-            f = dict(fields)
-            if "seed" not in f:
-                f["seed"] = 1_000_000 * r + 1000 * i + k
+            f = seeded(fields, 1_000_000 * r + 1000 * i + k)
             for tokens in c.stream(prompts[(i + k) % len(prompts)], max_new_tokens, **f):
                 if lo <= time.perf_counter() < hi:
                     counted[i] += tokens

@@ -181,3 +181,16 @@ def test_head_to_head_compares_within_each_round():
     assert same["picks"] == ["ovl2@1"] * 3  # against seq2, not the slower seq3
     assert same["ratio"] == pytest.approx(1.25)
     assert rows["10: overlapped best / assisted best k on the target's core, T=1"]["goal"] == 1.3
+
+
+def test_requests_left_to_choose_gamma_are_sent_unseeded():
+    """The orchestrator chooses gamma only for a request with neither gamma nor seed:
+    a benchmark's "adaptive" row ({"gamma": None}) must go unseeded, or it measures
+    the configured default gamma instead (as several did before 2026-12-06)."""
+    from benchmarks.run import seeded
+
+    assert seeded({"gamma": None, "temperature": 1.0}, 7) == {"gamma": None, "temperature": 1.0}
+    assert seeded({"gamma": 4}, 7) == {"gamma": 4, "seed": 7}
+    assert seeded({"temperature": 1.0}, 7) == {"temperature": 1.0, "seed": 7}
+    assert seeded({"gamma": 4, "seed": None}, 7) == {"gamma": 4, "seed": None}
+    assert seeded({"gamma": None, "seed": 3}, 7) == {"gamma": None, "seed": 3}
