@@ -243,10 +243,18 @@ def _to_q(steps: np.ndarray, params: SamplingParams) -> SparseQ:
     cut = (0 < params.top_k < vocab) or params.top_p < 1.0
     if kernels.ENABLED and not cut:
         counts = np.empty(vocab, dtype=np.int64)
-        if kernels.hidden_counts(steps, _TABLE, _TABLE_F64, BITS, counts):
-            return SparseQ(np.arange(vocab), counts, 0, vocab, BITS)
-        ids = np.flatnonzero(counts)
-        return SparseQ(ids, counts[ids], 0, vocab, BITS)
+        full = kernels.hidden_counts(steps, _TABLE, _TABLE_F64, BITS, counts)
+    else:
+        counts, full = _counts(steps, params, cut)
+    if full:  # every token has a count (often at T=1)
+        return SparseQ(np.arange(vocab), counts, 0, vocab, BITS)
+    ids = np.flatnonzero(counts)
+    return SparseQ(ids, counts[ids], 0, vocab, BITS)
+
+
+def _counts(steps: np.ndarray, params: SamplingParams, cut: bool) -> tuple[np.ndarray, bool]:
+    """``_to_q``'s counts [vocab] in numpy (``cut``: after top-k and top-p), and whether
+    every token has one (the reference of ``kernels.hidden_counts``)."""
     tally = np.bincount(steps, minlength=len(_TABLE))  # [len(_TABLE)] tokens per step
     if cut:
         steps, tally = _top_k_top_p(steps, tally, params)
@@ -256,10 +264,7 @@ def _to_q(steps: np.ndarray, params: SamplingParams) -> SparseQ:
     counts = per_step[steps]  # [vocab]
     lead = int(np.argmin(steps))  # the first maximum
     counts[lead] += (1 << BITS) - int(tally @ per_step)
-    if int(tally[per_step > 0].sum()) == vocab:  # every token has a count (often at T=1)
-        return SparseQ(np.arange(vocab), counts, 0, vocab, BITS)
-    ids = np.flatnonzero(counts)
-    return SparseQ(ids, counts[ids], 0, vocab, BITS)
+    return counts, int(tally[per_step > 0].sum()) == steps.shape[0]
 
 
 def _top_k_top_p(
